@@ -1,0 +1,98 @@
+// Context n-gram matcher (algorithms.md §3, N-Grammys appendix B.2).
+//
+// For one request with context ctx[0..n): take the longest q in [q_min, q_max] whose
+// last-q-token query occurs earlier in the context; over the most recent `max_matches`
+// earlier occurrences, count the distinct continuations ctx[p+q : min(p+q+w, n)]
+// (truncated at the end of the context; a truncated one is its own w-gram) and return the
+// k most frequent, ties to the most recent occurrence.
+//
+// The same function runs on the CPU (one request per task) and on CUDA (one request per
+// thread), so both backends return identical results.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define VRS_HD __host__ __device__
+#else
+#define VRS_HD
+#endif
+
+namespace vrs {
+
+constexpr int kMaxContextMatches = 256;
+
+struct ContextNgramParams {
+  int q_min;
+  int q_max;
+  int w;            // draft length
+  int k;            // drafts per request
+  int max_matches;  // most recent occurrences considered, <= kMaxContextMatches
+};
+
+VRS_HD inline bool same_tokens(const int32_t* a, const int32_t* b, int len) {
+  for (int i = 0; i < len; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+// Fills match_pos with the most recent occurrences of the last q tokens (newest first).
+VRS_HD inline int find_recent_matches(const int32_t* ctx, int n, int q, int max_matches,
+                                      int* match_pos) {
+  if (q <= 0 || n < q + 1) return 0;
+  const int32_t* query = ctx + n - q;
+  int m = 0;
+  for (int p = n - q - 1; p >= 0 && m < max_matches; --p)
+    if (ctx[p + q - 1] == query[q - 1] && same_tokens(ctx + p, query, q)) match_pos[m++] = p;
+  return m;
+}
+
+// Returns the q that matched (0: none). Outputs: drafts [k*w] (-1 padded), lengths [k],
+// counts [k]; rows past the number of distinct continuations stay empty.
+VRS_HD inline int context_ngram_one(const int32_t* ctx, int n, const ContextNgramParams& prm,
+                                    int* match_pos, int* match_count, int32_t* out_drafts,
+                                    int32_t* out_lengths, int32_t* out_counts) {
+  for (int i = 0; i < prm.k * prm.w; ++i) out_drafts[i] = -1;
+  for (int i = 0; i < prm.k; ++i) out_lengths[i] = out_counts[i] = 0;
+
+  int q = prm.q_max < n - 1 ? prm.q_max : n - 1;
+  int m = 0;
+  for (; q >= prm.q_min && q > 0; --q) {
+    m = find_recent_matches(ctx, n, q, prm.max_matches, match_pos);
+    if (m > 0) break;
+  }
+  if (m == 0) return 0;
+
+  // Count each distinct continuation at its most recent occurrence; -1 marks duplicates.
+  for (int i = 0; i < m; ++i) {
+    const int start_i = match_pos[i] + q;
+    const int len_i = (n - start_i) < prm.w ? (n - start_i) : prm.w;
+    match_count[i] = 1;
+    for (int j = 0; j < i; ++j) {
+      if (match_count[j] < 0) continue;
+      const int start_j = match_pos[j] + q;
+      const int len_j = (n - start_j) < prm.w ? (n - start_j) : prm.w;
+      if (len_i == len_j && same_tokens(ctx + start_i, ctx + start_j, len_i)) {
+        ++match_count[j];
+        match_count[i] = -1;
+        break;
+      }
+    }
+  }
+  // Select the k heaviest, ties to the most recent (lowest index).
+  for (int slot = 0; slot < prm.k; ++slot) {
+    int best = -1;
+    for (int i = 0; i < m; ++i)
+      if (match_count[i] > 0 && (best < 0 || match_count[i] > match_count[best])) best = i;
+    if (best < 0) break;
+    const int start = match_pos[best] + q;
+    const int len = (n - start) < prm.w ? (n - start) : prm.w;
+    for (int t = 0; t < len; ++t) out_drafts[slot * prm.w + t] = ctx[start + t];
+    out_lengths[slot] = len;
+    out_counts[slot] = match_count[best];
+    match_count[best] = 0;
+  }
+  return q;
+}
+
+}  // namespace vrs

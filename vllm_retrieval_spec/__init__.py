@@ -1,0 +1,34 @@
+"""vllm-retrieval-spec: training-free speculative decoding proposers for vLLM.
+
+Importing this package is cheap: vLLM and the proposers load lazily, so the
+``vllm.general_plugins`` entry point (:func:`register`) costs nothing in processes that
+never draft. Proposers are addressed in ``--speculative-config`` as
+``vllm_retrieval_spec.<Name>Proposer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PROPOSERS = {
+    "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
+}
+
+__all__ = ["__version__", "register", *_PROPOSERS]
+
+
+def register() -> None:
+    """vLLM general-plugin hook: checks the vLLM version and applies our patches once."""
+    from vllm_retrieval_spec.integration.vllm_patches import apply_patches
+
+    apply_patches()
+
+
+def __getattr__(name: str) -> Any:
+    module = _PROPOSERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vllm_retrieval_spec' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

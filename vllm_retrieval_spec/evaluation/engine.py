@@ -1,0 +1,144 @@
+"""In-process vLLM engines on the real model, with per-request decode-step counting.
+
+Call :func:`configure_vllm_environment` before vLLM is imported. Engines run in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), float32 and eager by default, so greedy token ids
+with and without speculation can be compared exactly (vllm-cpu.md §4, §6).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_retrieval_spec.evaluation.metrics import GenerationRecord, SpecDecodeCounters
+
+CPU_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def configure_vllm_environment(in_process: bool = True) -> None:
+    """Set (without overriding) the environment vLLM needs here; call before importing vLLM."""
+    for key, value in CPU_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build one engine: the model and, optionally, a speculative configuration."""
+
+    model: str | Path
+    speculative_config: Mapping[str, Any] | None = None
+    additional_config: Mapping[str, Any] | None = None
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    seed: int = 0
+
+
+def build_llm(spec: EngineSpec) -> Any:
+    """An in-process ``vllm.LLM`` with stats enabled (for the spec-decode counters)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(spec.model),
+        dtype=spec.dtype,
+        enforce_eager=True,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        speculative_config=dict(spec.speculative_config) if spec.speculative_config else None,
+        additional_config=dict(spec.additional_config or {}),
+        disable_log_stats=False,
+        seed=spec.seed,
+    )
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut an in-process engine down before the next is built (vllm-cpu.md §4)."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def drafter_of(llm: Any) -> Any:
+    """The proposer instance of an in-process engine (``None`` without speculation)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return getattr(core.model_executor.driver_worker.worker.model_runner, "drafter", None)
+
+
+def spec_decode_counters(llm: Any) -> SpecDecodeCounters:
+    """Process-wide totals of vLLM's spec-decode counters (take differences per run)."""
+    values = {metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()}
+    return SpecDecodeCounters(
+        drafts=int(values.get("vllm:spec_decode_num_drafts") or 0),
+        draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens") or 0),
+        accepted_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens") or 0),
+    )
+
+
+@dataclass(frozen=True)
+class GenerationRun:
+    """Records in prompt order, the counters' change over the run, and its wall time."""
+
+    records: list[GenerationRecord]
+    counters: SpecDecodeCounters
+    seconds: float
+
+
+_request_ids = itertools.count()
+
+
+def generate(
+    llm: Any, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, **sampling: Any
+) -> GenerationRun:
+    """Generate with at most ``concurrency`` requests in flight (1 = batch 1), counting for
+    every request the engine steps that gave it new tokens after its prefill."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=sampling.pop("temperature", 0.0),
+        output_kind=RequestOutputKind.DELTA,
+        **sampling,
+    )
+    engine = llm.llm_engine
+    pending = list(enumerate(prompts))[::-1]
+    by_id: dict[str, dict[str, Any]] = {}
+    in_flight = 0
+    before = spec_decode_counters(llm)
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            index, prompt = pending.pop()
+            request_id = f"vrs-{next(_request_ids)}"
+            by_id[request_id] = {"index": index, "prompt_ids": None, "output": [], "steps": 0}
+            engine.add_request(request_id, prompt, params)
+            in_flight += 1
+        for output in engine.step():
+            state = by_id[output.request_id]
+            new_tokens = list(output.outputs[0].token_ids)
+            if output.prompt_token_ids is not None and state["prompt_ids"] is None:
+                state["prompt_ids"] = list(output.prompt_token_ids)
+            if new_tokens:
+                state["output"].extend(new_tokens)
+                state["steps"] += 1
+            if output.finished:
+                in_flight -= 1
+    seconds = time.perf_counter() - start
+    ordered = sorted(by_id.values(), key=lambda s: s["index"])
+    records = [
+        GenerationRecord(s["prompt_ids"] or [], s["output"], max(s["steps"] - 1, 0)) for s in ordered
+    ]
+    return GenerationRun(records, spec_decode_counters(llm) - before, seconds)

