@@ -1,0 +1,153 @@
+"""Acceptance and speed of speculative configs on the real model (in-process vLLM, fp32, greedy).
+
+For every config, over the same HumanEval prompts in the same run: vLLM's mean acceptance
+length (1 + accepted / drafts), the honest figure ((generated - requests) / decode steps,
+counting steps without drafts), the acceptance rate, output tokens/s, the speed-up against
+no speculation, and how many prompts' token ids differ from no speculation (must be 0).
+
+    python benchmarks/acceptance.py --prompts 40 --max-tokens 128 --form raw
+    python benchmarks/acceptance.py --configs none prompt_lookup_k8 ngram_k8 --form both
+
+Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+
+configure_vllm_environment(in_process=True)
+
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm  # noqa: E402
+from vllm_retrieval_spec.evaluation.metrics import summarize  # noqa: E402
+from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
+from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _ours(proposer: str, k: int, **options) -> dict:
+    return {
+        "speculative_config": {"model": f"vllm_retrieval_spec.{proposer}", "num_speculative_tokens": k},
+        "additional_config": {"retrieval_spec": options} if options else None,
+    }
+
+
+def _ngram(k: int) -> dict:
+    return {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
+
+
+CONFIGS: dict[str, dict] = {
+    "none": {},
+    "prompt_lookup_k4": _ours("PromptLookupProposer", 4),
+    "prompt_lookup_k8": _ours("PromptLookupProposer", 8),
+    "ngram_k4": _ngram(4),
+    "ngram_k8": _ngram(8),
+    "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
+}
+DEFAULT_CONFIGS = ["none", "prompt_lookup_k8", "ngram_k4", "ngram_k8", "suffix"]
+
+
+def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+    config = CONFIGS[name]
+    spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
+                      max_num_seqs=max(concurrency, 1))
+    llm = build_llm(spec)
+    try:
+        generate(llm, prompts[:1], 8)  # warm-up
+        run = generate(llm, prompts, max_tokens, concurrency=concurrency)
+    finally:
+        shutdown_llm(llm)
+    summary = summarize(run.records, run.counters)
+    return {
+        "config": name,
+        "speculative_config": config.get("speculative_config"),
+        "additional_config": config.get("additional_config"),
+        **summary.as_dict(),
+        "seconds": run.seconds,
+        "tokens_per_second": summary.generated_tokens / run.seconds,
+        "output_ids": [r.output_ids for r in run.records],
+    }
+
+
+def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Namespace) -> dict:
+    tokenizer = None
+    if form == "chat":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = humaneval_prompts(args.prompts, form, tokenizer)
+    results = []
+    for name in names:
+        print(f"[{form}] {name} ...", flush=True)
+        results.append(run_config(model, name, prompts, args.max_tokens, args.concurrency))
+    reference = results[0]
+    for result in results:
+        result["speedup_vs_none"] = result["tokens_per_second"] / reference["tokens_per_second"]
+        result["prompts_differing_from_none"] = sum(
+            a != b for a, b in zip(reference["output_ids"], result["output_ids"])
+        )
+    for result in results:
+        del result["output_ids"]
+    return {"form": form, "prompts": len(prompts), "results": results}
+
+
+def print_table(report: dict) -> None:
+    header = f"{'config':18s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'tok/s':>7s} {'speed-up':>9s} {'differ':>7s}"
+    print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
+          f"concurrency {report['concurrency']}")
+    print(header)
+    for r in report["results"]:
+        mal = f"{r['vllm_mean_acceptance_length']:.2f}" if r["vllm_mean_acceptance_length"] else "-"
+        rate = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
+        print(f"{r['config']:18s} {r['honest_tokens_per_step']:7.2f} {mal:>9s} {rate:>7s} "
+              f"{r['tokens_per_second']:7.1f} {r['speedup_vs_none']:8.2f}x {r['prompts_differing_from_none']:7d}")
+
+
+def resolve_configs(requested: list[str]) -> list[str]:
+    names = ["none"] + [n for n in requested if n != "none"]
+    available = []
+    for name in names:
+        if name not in CONFIGS:
+            sys.exit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+        needed = CONFIGS[name].get("requires")
+        if needed and importlib.util.find_spec(needed) is None:
+            print(f"skipping {name}: it needs `{needed}` (see README, 'Benchmarks')", file=sys.stderr)
+            continue
+        available.append(name)
+    return available
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=40, help="first N HumanEval prompts (164 = all)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
+    parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help=f"from {', '.join(CONFIGS)}")
+    args = parser.parse_args()
+
+    model = ensure_smollm2_checkpoint()
+    names = resolve_configs(args.configs)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for form in (["raw", "chat"] if args.form == "both" else [args.form]):
+        report = benchmark_form(model, form, names, args)
+        report.update(max_tokens=args.max_tokens, concurrency=args.concurrency,
+                      model="SmolLM2-135M-Instruct (float32)", machine=platform.machine(),
+                      processor_count=__import__("os").cpu_count(), date=time.strftime("%Y-%m-%d %H:%M"))
+        out = RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}.json"
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print_table(report)
+        print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Shared fixtures: the real model, in-process vLLM engines, baseline generations, a server."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+
+configure_vllm_environment(in_process=True)  # before anything imports vLLM
+
+from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
+    EngineSpec,
+    GenerationRun,
+    build_llm,
+    generate,
+    shutdown_llm,
+)
+from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
+
+E2E_PROMPTS = 12
+E2E_MAX_TOKENS = 64
+CONCURRENT = 8
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
+
+    return ensure_smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def e2e_prompts() -> list[str]:
+    return humaneval_prompts(E2E_PROMPTS)
+
+
+@contextlib.contextmanager
+def running_engine(spec: EngineSpec) -> Iterator[Any]:
+    """An in-process engine that is always shut down (the next one needs a clean slate)."""
+    llm = build_llm(spec)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+
+
+def generate_both_ways(llm: Any, prompts: list[str]) -> dict[str, GenerationRun]:
+    """Greedy generations at batch 1 and with CONCURRENT requests in flight."""
+    return {
+        "batch1": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=1),
+        "concurrent": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT),
+    }
+
+
+@pytest.fixture(scope="session")
+def baseline_runs(model_dir: Path, e2e_prompts: list[str]) -> dict[str, GenerationRun]:
+    """Greedy token ids without speculation: the reference for every identity test."""
+    with running_engine(EngineSpec(model_dir, max_num_seqs=CONCURRENT)) as llm:
+        return generate_both_ways(llm, e2e_prompts)
+
+
+def assert_same_token_ids(expected: GenerationRun, actual: GenerationRun) -> None:
+    """Token ids must be identical prompt by prompt (speculation is lossless)."""
+    assert len(expected.records) == len(actual.records)
+    for index, (want, got) in enumerate(zip(expected.records, actual.records)):
+        assert got.prompt_ids == want.prompt_ids, f"prompt {index}: prompt ids differ"
+        assert got.output_ids == want.output_ids, (
+            f"prompt {index}: output token ids differ from no speculation at position "
+            f"{next((i for i, (a, b) in enumerate(zip(want.output_ids, got.output_ids)) if a != b), min(len(want.output_ids), len(got.output_ids)))}"
+        )

@@ -1,0 +1,51 @@
+"""Options under additional_config['retrieval_spec']: defaults, unknown keys, bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_retrieval_spec.options import OptionsError, RetrievalSpecOptions
+
+
+def test_defaults_when_absent():
+    assert RetrievalSpecOptions.from_additional_config(None) == RetrievalSpecOptions()
+    assert RetrievalSpecOptions.from_additional_config({"other_plugin": {}}) == RetrievalSpecOptions()
+
+
+def test_values_are_read():
+    options = RetrievalSpecOptions.from_additional_config(
+        {"retrieval_spec": {"context_ngram_min": 2, "context_ngram_max": 5}}
+    )
+    assert (options.context_ngram_min, options.context_ngram_max) == (2, 5)
+
+
+def test_unknown_key_names_the_key_and_the_known_ones():
+    with pytest.raises(OptionsError, match=r"unknown option\(s\) 'n_maxx'.*known options: .*context_ngram_max"):
+        RetrievalSpecOptions.from_dict({"n_maxx": 3})
+
+
+@pytest.mark.parametrize("value", [0, 65, "3", 2.5, True, None])
+def test_bad_value_names_the_key_and_the_allowed_range(value):
+    with pytest.raises(OptionsError, match=r"retrieval_spec\.context_ngram_max must be an integer in \[1, 64\]"):
+        RetrievalSpecOptions.from_dict({"context_ngram_max": value})
+
+
+def test_inconsistent_values_are_rejected():
+    with pytest.raises(OptionsError, match="context_ngram_min .* must not exceed"):
+        RetrievalSpecOptions.from_dict({"context_ngram_min": 5, "context_ngram_max": 2})
+
+
+def test_section_must_be_an_object():
+    with pytest.raises(OptionsError, match="must be a JSON object"):
+        RetrievalSpecOptions.from_additional_config({"retrieval_spec": [1, 2]})
+
+
+def test_misnamed_section_is_pointed_out():
+    with pytest.raises(OptionsError, match=r"live under additional_config\['retrieval_spec'\]"):
+        RetrievalSpecOptions.from_additional_config({"vllm_retrieval_spec": {"context_ngram_max": 3}})
+
+
+def test_every_option_is_described():
+    description = RetrievalSpecOptions.describe()
+    for name in ("context_ngram_min", "context_ngram_max", "context_max_matches", "num_threads"):
+        assert name in description

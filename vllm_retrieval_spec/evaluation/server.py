@@ -1,0 +1,130 @@
+"""A real vLLM OpenAI server subprocess on 127.0.0.1, started through our ``serve`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_retrieval_spec.evaluation.engine import CPU_ENVIRONMENT
+from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerError(RuntimeError):
+    """The server exited or never became healthy; the message ends with its log."""
+
+
+class VllmServer:
+    """Start ``vllm-retrieval-spec serve MODEL ...``, wait for ``/health``, stop on exit."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        speculative_config: Mapping[str, Any] | None = None,
+        additional_config: Mapping[str, Any] | None = None,
+        served_model_name: str = "smol",
+        max_model_len: int = 2048,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.served_model_name = served_model_name
+        self.log_path = Path(log_path or f"/tmp/vllm-retrieval-spec-server-{self.port}.log")
+        self.command = [
+            sys.executable, "-m", "vllm_retrieval_spec.cli", "serve", str(model),
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--served-model-name", served_model_name,
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            *(["--speculative-config", json.dumps(dict(speculative_config))] if speculative_config else []),
+            *(["--additional-config", json.dumps(dict(additional_config))] if additional_config else []),
+            *extra_args,
+        ]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        env = {**CPU_ENVIRONMENT, **os.environ}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the server exited with code {self.process.returncode}\n{self.log_tail()}")
+            if self._healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"the server was not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The log's error lines (root causes first), then its last ``lines`` lines."""
+        try:
+            log = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        errors = [line for line in log if re.search(r"\w+(Error|Exception): ", line)]
+        return "\n".join([*errors[:10], "--- log tail ---", *log[-lines:]])
+
+    def spec_decode_counters(self) -> SpecDecodeCounters:
+        """vLLM's counters from ``/metrics`` (zero when the server does not speculate)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+
+        def total(name: str) -> int:
+            pattern = rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$"
+            return int(sum(float(v) for v in re.findall(pattern, text, flags=re.M)))
+
+        return SpecDecodeCounters(
+            drafts=total("spec_decode_num_drafts"),
+            draft_tokens=total("spec_decode_num_draft_tokens"),
+            accepted_tokens=total("spec_decode_num_accepted_tokens"),
+        )
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
