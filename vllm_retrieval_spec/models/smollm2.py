@@ -81,7 +81,7 @@ def ensure_smollm2_checkpoint(cache: Path | None = None, source: GgufSource = SM
             f"{source.package.replace('_', '-')}=={source.version}`"
         )
     logger.info("converting %s into %s", gguf_path, target)
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, replace=True) as tmp:
         _convert_gguf(gguf_path, tmp)
     return target
 

@@ -1,0 +1,299 @@
+// REST retrieval (algorithms.md §1) for one request: longest-suffix match in a suffix-array
+// datastore and in the request's own context, continuations merged into one weighted trie,
+// the top_k heaviest nodes as a subtree (flattened parents-first) and the heaviest chain.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "context_ngram.h"
+
+namespace vrs {
+
+struct RestParams {
+  int n_min;                 // shortest suffix that may match
+  int n_max;                 // longest suffix tried
+  int max_matches;           // datastore continuations per request (evenly sampled)
+  int cont_len;              // tokens per continuation
+  int top_k;                 // tree nodes kept
+  int chain_len;             // longest chain
+  double min_ratio;          // chain stops when weight(child) / weight(parent) < min_ratio
+  bool use_datastore;
+  bool use_context;
+  double context_weight;     // weight of one context continuation (a datastore one weighs 1)
+  int context_max_matches;   // most recent context occurrences used (<= kMaxContextMatches)
+};
+
+// Per-request outputs (views into the caller's arrays).
+struct RestOutput {
+  int32_t* tree_tokens;   // [top_k]
+  int32_t* tree_parents;  // [top_k], -1 = child of the root
+  int32_t* tree_size;     // scalar
+  int32_t* chain_tokens;  // [chain_len]
+  int32_t* chain_size;    // scalar
+  int32_t* match_info;    // [3]: datastore match length, context match length, datastore matches
+  int64_t* timings_ns;    // [4] or nullptr: search, gather, trie, select
+};
+
+template <typename Tok, typename Idx>
+struct SuffixIndex {
+  const Tok* tokens;
+  const Idx* suffix_array;
+  int64_t size;
+  uint32_t separator;
+
+  // <0, 0, >0: the suffix at pos against query q[0..len) (0: q is a prefix of the suffix).
+  int compare(int64_t pos, const int32_t* q, int len) const {
+    for (int i = 0; i < len; ++i) {
+      if (pos + i >= size) return -1;
+      const uint32_t t = static_cast<uint32_t>(tokens[pos + i]);
+      const uint32_t want = static_cast<uint32_t>(q[i]);
+      if (t != want) return t < want ? -1 : 1;
+    }
+    return 0;
+  }
+
+  int64_t lower_bound(const int32_t* q, int len) const {
+    int64_t lo = 0, hi = size;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (compare(suffix_array[mid], q, len) < 0) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+
+  int64_t upper_bound(const int32_t* q, int len, int64_t from) const {
+    int64_t lo = from, hi = size;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (compare(suffix_array[mid], q, len) <= 0) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+
+  bool occurs(const int32_t* q, int len, int64_t* first) const {
+    *first = lower_bound(q, len);
+    return *first < size && compare(suffix_array[*first], q, len) == 0;
+  }
+};
+
+// Trie of continuations with per-source counts; node 0 is the root.
+class ContinuationTrie {
+ public:
+  struct Node {
+    int32_t token;
+    int32_t parent;
+    int32_t first_child = -1;
+    int32_t next_sibling = -1;
+    int32_t last_child = -1;
+    int32_t depth;
+    int32_t datastore_count = 0;
+    int32_t context_count = 0;
+  };
+
+  void reset(double context_weight) {
+    context_weight_ = context_weight;
+    nodes_.clear();
+    nodes_.push_back(Node{-1, -1, -1, -1, -1, 0});
+  }
+
+  // Reusable per-thread buffers for gathered continuations.
+  template <typename T>
+  std::vector<T>& gather_buffer(size_t n) {
+    std::vector<T>* buffer;
+    if constexpr (std::is_same_v<T, uint16_t>) buffer = &buffer16_; else buffer = &buffer32_;
+    if (buffer->size() < n) buffer->resize(n);
+    return *buffer;
+  }
+  std::vector<int32_t>& length_buffer(size_t n) {
+    if (lengths_.size() < n) lengths_.resize(n);
+    return lengths_;
+  }
+
+  template <typename T>
+  void insert(const T* seq, int len, bool from_context) {
+    if (len <= 0) return;
+    count(0, from_context);
+    int32_t cur = 0;
+    for (int i = 0; i < len; ++i) {
+      cur = child(cur, static_cast<int32_t>(seq[i]));
+      count(cur, from_context);
+    }
+  }
+
+  double weight(int32_t node) const {
+    return nodes_[node].datastore_count + context_weight_ * nodes_[node].context_count;
+  }
+
+  // Strict total order: heavier first, then shallower, then smaller token, then older node.
+  bool ranks_before(int32_t a, int32_t b) const {
+    const double wa = weight(a), wb = weight(b);
+    if (wa != wb) return wa > wb;
+    if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
+    if (nodes_[a].token != nodes_[b].token) return nodes_[a].token < nodes_[b].token;
+    return a < b;
+  }
+
+  // The top_k heaviest nodes (a subtree: a parent always ranks before its children),
+  // written breadth-first (by depth, then rank) with parent positions; returns the count.
+  int select_tree(int top_k, int32_t* tokens, int32_t* parents) {
+    std::vector<int32_t>& order = scratch_;
+    order.resize(nodes_.size() - 1);
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i + 1);
+    const int k = std::min<int>(top_k, static_cast<int>(order.size()));
+    auto by_rank = [this](int32_t a, int32_t b) { return ranks_before(a, b); };
+    if (k < static_cast<int>(order.size()))
+      std::nth_element(order.begin(), order.begin() + k, order.end(), by_rank);
+    order.resize(k);
+    std::sort(order.begin(), order.end(), [this](int32_t a, int32_t b) {
+      if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
+      return ranks_before(a, b);
+    });
+    position_.assign(nodes_.size(), -1);
+    for (int i = 0; i < k; ++i) {
+      const Node& node = nodes_[order[i]];
+      position_[order[i]] = i;
+      tokens[i] = node.token;
+      parents[i] = node.parent == 0 ? -1 : position_[node.parent];
+    }
+    return k;
+  }
+
+  // From the root, follow the best-ranked child while it keeps min_ratio of its parent's weight.
+  int select_chain(int chain_len, double min_ratio, int32_t* tokens) const {
+    int len = 0;
+    int32_t cur = 0;
+    while (len < chain_len) {
+      int32_t best = -1;
+      for (int32_t c = nodes_[cur].first_child; c >= 0; c = nodes_[c].next_sibling)
+        if (best < 0 || ranks_before(c, best)) best = c;
+      if (best < 0 || weight(best) < min_ratio * weight(cur)) break;
+      tokens[len++] = nodes_[best].token;
+      cur = best;
+    }
+    return len;
+  }
+
+  size_t size() const { return nodes_.size(); }
+
+ private:
+  void count(int32_t node, bool from_context) {
+    if (from_context) ++nodes_[node].context_count; else ++nodes_[node].datastore_count;
+  }
+
+  int32_t child(int32_t parent, int32_t token) {
+    // Sorted input (datastore ranges) hits the most recent child first.
+    const int32_t last = nodes_[parent].last_child;
+    if (last >= 0 && nodes_[last].token == token) return last;
+    for (int32_t c = nodes_[parent].first_child; c >= 0; c = nodes_[c].next_sibling)
+      if (nodes_[c].token == token) return c;
+    const int32_t created = static_cast<int32_t>(nodes_.size());
+    nodes_.push_back(Node{token, parent, -1, -1, -1, nodes_[parent].depth + 1});
+    Node& p = nodes_[parent];
+    if (p.last_child < 0) p.first_child = created; else nodes_[p.last_child].next_sibling = created;
+    p.last_child = created;
+    return created;
+  }
+
+  double context_weight_ = 1.0;
+  std::vector<Node> nodes_;
+  std::vector<uint16_t> buffer16_;
+  std::vector<uint32_t> buffer32_;
+  std::vector<int32_t> lengths_;
+  std::vector<int32_t> scratch_;
+  std::vector<int32_t> position_;
+};
+
+// Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is
+// monotone in n, so binary search over n). Returns n (0: none) and the SA range.
+template <typename Tok, typename Idx>
+int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* ctx, int n,
+                            const RestParams& prm, int64_t* lo, int64_t* hi) {
+  int low = std::max(prm.n_min, 1), high = std::min(prm.n_max, n), best = 0;
+  int64_t best_first = 0;
+  while (low <= high) {
+    const int mid = low + (high - low) / 2;
+    int64_t first;
+    if (index.occurs(ctx + n - mid, mid, &first)) {
+      best = mid;
+      best_first = first;
+      low = mid + 1;
+    } else {
+      high = mid - 1;
+    }
+  }
+  if (best > 0) {
+    *lo = best_first;
+    *hi = index.upper_bound(ctx + n - best, best, best_first);
+  }
+  return best;
+}
+
+template <typename Tok, typename Idx>
+void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, int n,
+                       const RestParams& prm, ContinuationTrie& trie, RestOutput out) {
+  using clock = std::chrono::steady_clock;
+  auto t0 = clock::now();
+  int64_t lo = 0, hi = 0;
+  int ds_len = 0;
+  if (prm.use_datastore && index != nullptr && index->size > 0)
+    ds_len = longest_datastore_match(*index, ctx, n, prm, &lo, &hi);
+  auto t1 = clock::now();
+
+  // Gather the datastore continuations (evenly strided over the SA range), then insert them.
+  const int64_t found = hi - lo;
+  const int take = static_cast<int>(std::min<int64_t>(found, prm.max_matches));
+  std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(take) * prm.cont_len);
+  std::vector<int32_t>& lengths = trie.length_buffer(take);
+  for (int j = 0; j < take; ++j) {
+    const int64_t pos = static_cast<int64_t>(index->suffix_array[lo + (j * found) / take]) + ds_len;
+    Tok* dst = buffer.data() + static_cast<size_t>(j) * prm.cont_len;
+    int len = 0;
+    while (len < prm.cont_len && pos + len < index->size &&
+           static_cast<uint32_t>(index->tokens[pos + len]) != index->separator) {
+      dst[len] = index->tokens[pos + len];
+      ++len;
+    }
+    lengths[j] = len;
+  }
+  auto t2 = clock::now();
+  trie.reset(prm.context_weight);
+  for (int j = 0; j < take; ++j)
+    trie.insert(buffer.data() + static_cast<size_t>(j) * prm.cont_len, lengths[j], false);
+
+  // The request's own context, searched the same way.
+  int ctx_len = 0;
+  if (prm.use_context && prm.context_weight > 0) {
+    int match_pos[kMaxContextMatches];
+    for (int q = std::min(prm.n_max, n - 1); q >= std::max(prm.n_min, 1); --q) {
+      const int m = find_recent_matches(ctx, n, q, prm.context_max_matches, match_pos);
+      if (m == 0) continue;
+      ctx_len = q;
+      for (int i = 0; i < m; ++i) {
+        const int start = match_pos[i] + q;
+        trie.insert(ctx + start, std::min(prm.cont_len, n - start), true);
+      }
+      break;
+    }
+  }
+  auto t3 = clock::now();
+  *out.tree_size = trie.select_tree(prm.top_k, out.tree_tokens, out.tree_parents);
+  *out.chain_size = trie.select_chain(prm.chain_len, prm.min_ratio, out.chain_tokens);
+  auto t4 = clock::now();
+
+  out.match_info[0] = ds_len;
+  out.match_info[1] = ctx_len;
+  out.match_info[2] = static_cast<int32_t>(std::min<int64_t>(found, INT32_MAX));
+  if (out.timings_ns != nullptr) {
+    auto ns = [](auto d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
+    out.timings_ns[0] = ns(t1 - t0);
+    out.timings_ns[1] = ns(t2 - t1);
+    out.timings_ns[2] = ns(t3 - t2);
+    out.timings_ns[3] = ns(t4 - t3);
+  }
+}
+
+}  // namespace vrs

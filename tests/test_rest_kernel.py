@@ -1,0 +1,141 @@
+"""The C++ REST retrieval equals its brute-force Python reference, exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydivsufsort import divsufsort
+
+from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve, rest_retrieve_reference
+
+
+def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.int32):
+    separator = int(np.iinfo(token_dtype).max)
+    flat: list[int] = []
+    for document in documents:
+        flat += document + [separator]
+    tokens = np.array(flat, dtype=token_dtype)
+    suffix_array = divsufsort(tokens).astype(sa_dtype) if len(tokens) else np.zeros(0, sa_dtype)
+    return SimpleNamespace(tokens=tokens, suffix_array=suffix_array, separator=separator)
+
+
+def pack(contexts):
+    width = max([len(c) for c in contexts] + [1])
+    tokens = np.full((len(contexts), width), 12345, dtype=np.int32)
+    for row, context in enumerate(contexts):
+        tokens[row, : len(context)] = context
+    return tokens, np.array([len(c) for c in contexts], np.int32)
+
+
+def kernel_results(store, contexts, params, num_threads=0):
+    tokens, lengths = pack(contexts)
+    out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads)
+    return [
+        {"tree": out.tree(i), "chain": out.chain(i), "match_info": out.match_info[i].tolist()}
+        for i in range(len(contexts))
+    ]
+
+
+def reference_results(store, contexts, params):
+    return rest_retrieve_reference(
+        None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params
+    )
+
+
+def assert_tree_is_parents_first(tree_tokens, tree_parents):
+    for index, parent in enumerate(tree_parents):
+        assert -1 <= parent < index
+
+
+params_strategy = st.builds(
+    RestParams,
+    n_min=st.integers(1, 3),
+    n_max=st.integers(3, 6),
+    max_matches=st.integers(1, 12),
+    cont_len=st.integers(1, 5),
+    top_k=st.integers(1, 12),
+    chain_len=st.integers(1, 6),
+    min_ratio=st.sampled_from([0.0, 0.2, 0.5]),
+    use_datastore=st.booleans(),
+    use_context=st.booleans(),
+    context_weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    context_max_matches=st.integers(1, 8),
+)
+documents_strategy = st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=6)
+contexts_strategy = st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(documents=documents_strategy, contexts=contexts_strategy, params=params_strategy,
+       wide=st.booleans(), num_threads=st.integers(0, 3))
+def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, num_threads):
+    store = make_store(documents, np.uint32 if wide else np.uint16, np.int64 if wide else np.int32)
+    got = kernel_results(store, contexts, params, num_threads)
+    assert got == reference_results(store, contexts, params)
+    for result in got:
+        assert_tree_is_parents_first(*result["tree"])
+
+
+def test_matches_stop_at_document_separators_and_the_end_of_the_store():
+    store = make_store([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9, 1, 2]])
+    params = RestParams(n_min=1, n_max=4, cont_len=4, top_k=8, chain_len=4, min_ratio=0.0, use_context=False)
+    (result,) = kernel_results(store, [[8, 1, 2]], params)
+    assert result["match_info"] == [2, 0, 3]  # "1 2" three times, one at the very end
+    tree_tokens, tree_parents = result["tree"]
+    assert sorted(tree_tokens) == [3, 4, 5, 6, 7]
+    assert result == reference_results(store, [[8, 1, 2]], params)[0]
+
+
+def test_vocab_ids_at_the_dtype_limits():
+    top16 = np.iinfo(np.uint16).max - 1  # the largest id a uint16 store can hold
+    store = make_store([[top16, 0, top16, 1], [top16, 0, 2]])
+    params = RestParams(n_min=1, n_max=3, top_k=6, chain_len=3, min_ratio=0.0)
+    contexts = [[5, top16], [top16, 0]]
+    assert kernel_results(store, contexts, params) == reference_results(store, contexts, params)
+    top32 = np.iinfo(np.int32).max  # vLLM hands token ids over as int32
+    wide = make_store([[top32, 7, top32, 8]], np.uint32, np.int64)
+    assert kernel_results(wide, [[top32]], params) == reference_results(wide, [[top32]], params)
+
+
+@pytest.mark.parametrize("context", [[], [42], [3, 3, 3]])
+def test_empty_store_no_match_and_empty_context(context):
+    params = RestParams(n_min=1, n_max=4, top_k=4, chain_len=4, use_context=False)
+    store = make_store([[1, 2, 1, 2]])
+    (result,) = kernel_results(store, [context] if context else [[]], params)
+    assert result["tree"] == ([], []) and result["chain"] == []
+
+
+def test_context_only_when_no_store():
+    params = RestParams(n_min=1, n_max=4, top_k=4, chain_len=3, min_ratio=0.0)
+    (result,) = kernel_results(None, [[1, 2, 3, 1, 2]], params)
+    assert result["chain"] == [3, 1, 2]
+    assert result["match_info"] == [0, 2, 0]
+
+
+def test_context_weight_tips_the_chain():
+    store = make_store([[1, 2, 9], [1, 2, 9]])
+    context = [1, 2, 7, 0, 1, 2]
+    light = RestParams(n_min=1, n_max=2, chain_len=1, min_ratio=0.0, context_weight=1.0)
+    heavy = RestParams(n_min=1, n_max=2, chain_len=1, min_ratio=0.0, context_weight=3.0)
+    assert kernel_results(store, [context], light)[0]["chain"] == [9]
+    assert kernel_results(store, [context], heavy)[0]["chain"] == [7]
+
+
+def test_profile_reports_four_phases():
+    store = make_store([[1, 2, 3, 4]] * 10)
+    tokens, lengths = pack([[1, 2]])
+    out = rest_retrieve(store, tokens, lengths, np.array([0]), RestParams(), profile=True)
+    assert out.timings_ns.shape == (1, 4) and (out.timings_ns >= 0).all()
+
+
+def test_bad_arguments_are_rejected():
+    store = make_store([[1, 2]])
+    tokens, lengths = pack([[1]])
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        rest_retrieve(store, tokens, lengths, np.array([0]), RestParams(n_min=3, n_max=2))
+    with pytest.raises(IndexError, match="rows\\[0\\] = 4"):
+        rest_retrieve(store, tokens, lengths, np.array([4]), RestParams())

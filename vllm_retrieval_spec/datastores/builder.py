@@ -1,0 +1,178 @@
+"""Streaming datastore builder: tokenise in batches, write tokens as they come, then sort
+the suffixes with pydivsufsort; written to a temporary directory and renamed into place."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from tqdm import tqdm
+
+from vllm_retrieval_spec import __version__
+from vllm_retrieval_spec.datastores.format import (
+    FORMAT_VERSION,
+    SUFFIX_ARRAY,
+    TOKENS,
+    Manifest,
+    TokenizerIdentity,
+    separator_for,
+    suffix_array_dtype_for,
+    token_dtype_for,
+)
+from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
+from vllm_retrieval_spec.storage import atomic_directory, sha256_of_file
+
+logger = logging.getLogger(__name__)
+
+BATCH_CHARS = 2_000_000
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What a build produced and how fast."""
+
+    path: Path
+    num_tokens: int
+    num_documents: int
+    seconds: float
+    tokenize_seconds: float
+    sort_seconds: float
+    bytes_on_disk: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_on_disk / max(self.num_tokens, 1)
+
+
+def load_tokenizer(tokenizer_dir: str | Path) -> Any:
+    """The fast tokenizer of a model directory."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{tokenizer_dir}: datastores need a fast (Rust) tokenizer")
+    return tokenizer
+
+
+def build_datastore(
+    tokenizer_dir: str | Path,
+    inputs: Sequence[InputSpec],
+    out_dir: str | Path,
+    *,
+    replace: bool = False,
+    progress: bool = True,
+    extra_build_info: dict[str, Any] | None = None,
+) -> BuildReport:
+    """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``."""
+    out_dir = Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
+    token_dtype = token_dtype_for(identity.vocab_size)
+    render_chat = _chat_renderer(tokenizer)
+    stream = DocumentStream(inputs, render_chat)
+    start = time.perf_counter()
+    with atomic_directory(out_dir, replace=replace) as tmp:
+        with open(tmp / TOKENS, "wb") as handle:
+            num_tokens, num_documents = _write_tokens(tokenizer, stream, handle, token_dtype, progress)
+        tokenize_seconds = time.perf_counter() - start
+        sort_seconds = _write_suffix_array(tmp, num_tokens, token_dtype)
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            num_tokens=num_tokens,
+            num_documents=num_documents,
+            token_dtype=token_dtype.name,
+            suffix_array_dtype=suffix_array_dtype_for(num_tokens).name,
+            separator=separator_for(token_dtype),
+            tokenizer=identity,
+            files={
+                name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of_file(tmp / name)}
+                for name in (TOKENS, SUFFIX_ARRAY)
+            },
+            build={
+                "inputs": [
+                    {"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
+                     "text_field": s.text_field}
+                    for s in inputs
+                ],
+                "tokenizer_dir": str(tokenizer_dir),
+                "package_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - start, 2),
+                **(extra_build_info or {}),
+            },
+        )
+        manifest.write(tmp)
+    seconds = time.perf_counter() - start
+    size = sum(f["bytes"] for f in manifest.files.values())
+    return BuildReport(out_dir, num_tokens, num_documents, seconds, tokenize_seconds, sort_seconds, size)
+
+
+def _chat_renderer(tokenizer: Any):
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    return render
+
+
+def _batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for document in documents:
+        batch.append(document)
+        size += len(document)
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write_tokens(tokenizer: Any, stream: DocumentStream, handle: BinaryIO, dtype: np.dtype,
+                  progress: bool) -> tuple[int, int]:
+    backend = tokenizer.backend_tokenizer
+    separator = np.array([separator_for(dtype)], dtype=dtype)
+    num_tokens = num_documents = 0
+    start = time.perf_counter()
+    total_files = stream.count_files()
+    bar = tqdm(total=total_files, unit="file" if total_files is not None else "doc",
+               desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    with bar:
+        for batch in _batches(stream):
+            encodings = backend.encode_batch_fast(batch, add_special_tokens=False)
+            pieces = []
+            for encoding in encodings:
+                pieces.append(np.asarray(encoding.ids, dtype=dtype))
+                pieces.append(separator)
+            chunk = np.concatenate(pieces)
+            handle.write(chunk.tobytes())
+            num_tokens += len(chunk)
+            num_documents += len(batch)
+            bar.update(stream.files_seen - bar.n if total_files is not None else len(batch))
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(docs=num_documents, tokens=f"{num_tokens / 1e6:.1f}M", tok_s=f"{rate / 1e6:.2f}M")
+    return num_tokens, num_documents
+
+
+def _write_suffix_array(directory: Path, num_tokens: int, token_dtype: np.dtype) -> float:
+    from pydivsufsort import divsufsort
+
+    start = time.perf_counter()
+    logger.info("sorting the suffixes of %d tokens", num_tokens)
+    print(f"sorting the suffixes of {num_tokens:,} tokens (pydivsufsort) ...", flush=True)
+    tokens = np.fromfile(directory / TOKENS, dtype=token_dtype)
+    suffix_array = divsufsort(tokens) if num_tokens else np.zeros(0, dtype=np.int32)
+    del tokens
+    suffix_array.astype(suffix_array_dtype_for(num_tokens), copy=False).tofile(directory / SUFFIX_ARRAY)
+    return time.perf_counter() - start

@@ -1,0 +1,110 @@
+"""The on-disk format of a token datastore (format version 1).
+
+A datastore directory holds:
+
+- ``tokens.bin``: every document's token ids, each document followed by ``separator`` (the
+  dtype's maximum, never a token id), as raw little-endian ``uint16`` when the vocabulary
+  leaves room for the separator, ``uint32`` otherwise;
+- ``suffix_array.bin``: the suffix array of ``tokens.bin`` from pydivsufsort, raw ``int32``
+  below 2^31 tokens, ``int64`` above;
+- ``manifest.json``: format version, counts, dtypes, build parameters, file sizes and
+  sha256s, and the tokenizer's identity (name, vocab size, hash of the vocabulary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENS = "tokens.bin"
+SUFFIX_ARRAY = "suffix_array.bin"
+
+
+class DatastoreError(RuntimeError):
+    """A datastore is missing, corrupt, truncated, or belongs to another tokenizer."""
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What makes two tokenizers interchangeable for a datastore."""
+
+    name: str
+    vocab_size: int
+    vocab_sha256: str
+
+    @classmethod
+    def of(cls, tokenizer: Any, name: str | None = None) -> TokenizerIdentity:
+        """Identity of a transformers tokenizer (hash over the sorted token -> id map)."""
+        vocab = tokenizer.get_vocab()
+        payload = json.dumps(sorted(vocab.items(), key=lambda item: item[1]), ensure_ascii=False)
+        return cls(
+            name=name or str(getattr(tokenizer, "name_or_path", "") or "unknown"),
+            vocab_size=max(len(tokenizer), max(vocab.values()) + 1),
+            vocab_sha256=hashlib.sha256(payload.encode()).hexdigest(),
+        )
+
+    def matches(self, other: TokenizerIdentity) -> bool:
+        return self.vocab_size == other.vocab_size and self.vocab_sha256 == other.vocab_sha256
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    """uint16 when every id and the separator fit, else uint32 (with an error beyond that)."""
+    if vocab_size < np.iinfo(np.uint16).max:
+        return np.dtype(np.uint16)
+    if vocab_size < np.iinfo(np.uint32).max:
+        return np.dtype(np.uint32)
+    raise DatastoreError(f"a vocabulary of {vocab_size} tokens does not fit uint32 token storage")
+
+
+def suffix_array_dtype_for(num_tokens: int) -> np.dtype:
+    return np.dtype(np.int32) if num_tokens < 2**31 else np.dtype(np.int64)
+
+
+def separator_for(token_dtype: np.dtype) -> int:
+    return int(np.iinfo(token_dtype).max)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json``."""
+
+    format_version: int
+    num_tokens: int
+    num_documents: int
+    token_dtype: str
+    suffix_array_dtype: str
+    separator: int
+    tokenizer: TokenizerIdentity
+    files: dict[str, dict[str, Any]]
+    build: dict[str, Any]
+
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise DatastoreError(
+                f"{path} not found: {directory} is not a datastore; build one with "
+                "`vllm-retrieval-spec datastore build --tokenizer MODEL_DIR --input ... --out DIR`"
+            )
+        try:
+            raw = json.loads(path.read_text())
+            raw["tokenizer"] = TokenizerIdentity(**raw["tokenizer"])
+            manifest = cls(**raw)
+        except (ValueError, TypeError, KeyError) as error:
+            raise DatastoreError(f"{path} is corrupt ({error}); rebuild the datastore") from error
+        if manifest.format_version != FORMAT_VERSION:
+            raise DatastoreError(
+                f"{path} has format version {manifest.format_version}, this package reads "
+                f"version {FORMAT_VERSION}; rebuild the datastore"
+            )
+        return manifest

@@ -1,0 +1,116 @@
+"""Opening a datastore: read-only memory maps shared by every vLLM worker process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_retrieval_spec.datastores.format import (
+    SUFFIX_ARRAY,
+    TOKENS,
+    DatastoreError,
+    Manifest,
+    TokenizerIdentity,
+)
+from vllm_retrieval_spec.storage import sha256_of_file
+
+SAMPLED_ORDER_CHECKS = 64
+ORDER_CHECK_TOKENS = 32
+
+
+@dataclass
+class TokenDatastore:
+    """A token array with document separators and its suffix array, memory-mapped read-only."""
+
+    path: Path
+    manifest: Manifest
+    tokens: np.ndarray
+    suffix_array: np.ndarray
+
+    @classmethod
+    def open(cls, path: str | Path, expected_tokenizer: TokenizerIdentity | None = None) -> TokenDatastore:
+        """Open ``path``; fail with the file named when it is truncated or corrupt, and with
+        both tokenizers named when it was built for another tokenizer."""
+        path = Path(path)
+        manifest = Manifest.read(path)
+        if expected_tokenizer is not None and not manifest.tokenizer.matches(expected_tokenizer):
+            raise DatastoreError(
+                f"datastore {path} was built with tokenizer {manifest.tokenizer.name!r} "
+                f"(vocab {manifest.tokenizer.vocab_size}, hash {manifest.tokenizer.vocab_sha256[:12]}), "
+                f"but the model is served with tokenizer {expected_tokenizer.name!r} "
+                f"(vocab {expected_tokenizer.vocab_size}, hash {expected_tokenizer.vocab_sha256[:12]}); "
+                "rebuild the datastore with `vllm-retrieval-spec datastore build --tokenizer MODEL_DIR ...`"
+            )
+        store = cls(
+            path=path,
+            manifest=manifest,
+            tokens=_map(path / TOKENS, np.dtype(manifest.token_dtype), manifest.num_tokens),
+            suffix_array=_map(path / SUFFIX_ARRAY, np.dtype(manifest.suffix_array_dtype), manifest.num_tokens),
+        )
+        store.check_quickly()
+        return store
+
+    @property
+    def separator(self) -> int:
+        return self.manifest.separator
+
+    def check_quickly(self) -> None:
+        """Cheap structural checks run at every open (ends, sampled suffix order)."""
+        n = self.manifest.num_tokens
+        if n == 0:
+            return
+        if int(self.tokens[-1]) != self.separator:
+            raise DatastoreError(f"{self.path / TOKENS} does not end with a document separator; rebuild it")
+        for index in np.linspace(0, n - 2, num=min(SAMPLED_ORDER_CHECKS, n - 1), dtype=np.int64):
+            self._check_suffix_order(int(index))
+
+    def check_fully(self) -> None:
+        """Checksums of every file against the manifest (reads everything once)."""
+        for name, expected in self.manifest.files.items():
+            actual = sha256_of_file(self.path / name)
+            if actual != expected["sha256"]:
+                raise DatastoreError(
+                    f"{self.path / name} is corrupt: sha256 {actual[:16]}…, manifest says "
+                    f"{expected['sha256'][:16]}…; rebuild the datastore"
+                )
+
+    def _check_suffix_order(self, index: int) -> None:
+        n = self.manifest.num_tokens
+        a, b = int(self.suffix_array[index]), int(self.suffix_array[index + 1])
+        if not (0 <= a < n and 0 <= b < n):
+            raise DatastoreError(f"{self.path / SUFFIX_ARRAY} is corrupt: entry {index} points outside the tokens")
+        left = self.tokens[a : a + ORDER_CHECK_TOKENS].tolist()
+        right = self.tokens[b : b + ORDER_CHECK_TOKENS].tolist()
+        if left > right:
+            raise DatastoreError(
+                f"{self.path / SUFFIX_ARRAY} is corrupt: suffixes {index} and {index + 1} are out of order"
+            )
+
+    def describe(self) -> str:
+        m = self.manifest
+        size = sum(f["bytes"] for f in m.files.values())
+        return "\n".join([
+            f"datastore {self.path}",
+            f"  format version {m.format_version}; {m.num_tokens:,} tokens ({m.token_dtype}), "
+            f"{m.num_documents:,} documents, suffix array {m.suffix_array_dtype}",
+            f"  tokenizer {m.tokenizer.name!r}: vocab {m.tokenizer.vocab_size}, hash {m.tokenizer.vocab_sha256[:16]}",
+            f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
+            f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
+        ])
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    expected = count * dtype.itemsize
+    if not path.is_file():
+        raise DatastoreError(f"{path} is missing; rebuild the datastore")
+    actual = path.stat().st_size
+    if actual != expected:
+        raise DatastoreError(
+            f"{path} is truncated or corrupt: {actual} bytes, the manifest says {count} x {dtype.name} "
+            f"= {expected} bytes; rebuild the datastore"
+        )
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
