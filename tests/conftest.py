@@ -22,7 +22,7 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
 )
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
 
-E2E_PROMPTS = 12
+E2E_PROMPTS = 20
 E2E_MAX_TOKENS = 64
 CONCURRENT = 8
 
@@ -32,6 +32,22 @@ def model_dir() -> Path:
     from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 
     return ensure_smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def code_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real code datastore for end-to-end tests: part of the interpreter's standard library."""
+    import sysconfig
+
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    inputs = [InputSpec(stdlib / name, include=("*.py",), exclude=("test*",))
+              for name in ("json", "email", "asyncio", "collections", "importlib", "unittest")]
+    out = tmp_path_factory.mktemp("datastores") / "stdlib-subset"
+    build_datastore(model_dir, inputs, out, progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,20 @@ def test_prompt_lookup_is_lossless_and_accepts_tokens(model_dir, e2e_prompts, ba
     assert stats.draft_tokens >= sum(run.counters.draft_tokens for run in runs.values())
 
 
+def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
+    options = {"datastore": str(code_store)}
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
+        runs = generate_both_ways(llm, e2e_prompts)
+        drafter = drafter_of(llm)
+    for mode, run in runs.items():
+        assert_same_token_ids(baseline_runs[mode], run)
+        assert run.counters.accepted_tokens > 0, mode
+    assert drafter.stats.failures == 0
+    assert drafter.datastore is not None and drafter.last_drafts is not None
+    tree_tokens, tree_parents = drafter.last_drafts.tree(0)
+    assert all(-1 <= parent < index for index, parent in enumerate(tree_parents))
+
+
 def test_failing_proposer_keeps_the_engine_alive_and_exact(model_dir, e2e_prompts, baseline_runs):
     spec = speculative(model_dir, "vrs_test_proposers.FailingEveryThirdStepProposer")
     with running_engine(spec) as llm:

@@ -13,16 +13,16 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def prompt_lookup_server(model_dir):
-    spec = {"model": "vllm_retrieval_spec.PromptLookupProposer", "num_speculative_tokens": 4}
+def rest_server(model_dir, code_store):
+    spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
     with VllmServer(model_dir, speculative_config=spec,
-                    additional_config={"retrieval_spec": {"context_ngram_max": 3}}) as server:
+                    additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
         yield server
 
 
 @pytest.mark.parametrize("mode, concurrency", [("batch1", 1), ("concurrent", CONCURRENT)])
-def test_server_outputs_equal_no_speculation(prompt_lookup_server, e2e_prompts, baseline_runs, mode, concurrency):
-    server = prompt_lookup_server
+def test_server_outputs_equal_no_speculation(rest_server, e2e_prompts, baseline_runs, mode, concurrency):
+    server = rest_server
     client = openai_client(server.base_url)
     before = server.spec_decode_counters()
     run = run_prompts(client, server.served_model_name, e2e_prompts, E2E_MAX_TOKENS, concurrency)
@@ -31,8 +31,8 @@ def test_server_outputs_equal_no_speculation(prompt_lookup_server, e2e_prompts, 
     assert counters.accepted_tokens > 0
 
 
-def test_models_endpoint_and_chat_work(prompt_lookup_server):
-    client = openai_client(prompt_lookup_server.base_url)
+def test_models_endpoint_and_chat_work(rest_server):
+    client = openai_client(rest_server.base_url)
     assert [m.id for m in client.models.list().data] == ["smol"]
     reply = client.chat.completions.create(
         model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],

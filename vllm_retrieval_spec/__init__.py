@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _PROPOSERS = {
     "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
+    "RestProposer": "vllm_retrieval_spec.proposers.rest",
 }
 
 __all__ = ["__version__", "register", *_PROPOSERS]

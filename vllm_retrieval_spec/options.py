@@ -32,6 +32,29 @@ def _int_in(low: int, high: int) -> Validator:
     return validate
 
 
+def _float_in(low: float, high: float) -> Validator:
+    def validate(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise OptionsError(f"{OPTIONS_KEY}.{key} must be a number in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    return validate
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionsError(f"{OPTIONS_KEY}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _non_empty_string(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise OptionsError(
+            f"{OPTIONS_KEY}.{key} must be a datastore directory or a recipe name, got {value!r}"
+        )
+    return value
+
+
 def _option(default: Any, validator: Validator, help: str) -> Any:
     return field(default=default, metadata={"validate": validator, "help": help})
 
@@ -52,12 +75,37 @@ class RetrievalSpecOptions:
     num_threads: int = _option(
         0, _int_in(0, 1024), "threads for the C++ drafting kernels (0: one per core)"
     )
+    datastore: str = _option(
+        "python-code", _non_empty_string,
+        "REST: a datastore directory, or the name of a recipe in datastores/ built into the cache",
+    )
+    use_datastore: bool = _option(True, _bool, "REST: retrieve from the datastore")
+    use_context: bool = _option(True, _bool, "REST: retrieve from the request's own context")
+    context_weight: float = _option(
+        4.0, _float_in(0.0, 1e6), "REST: weight of one context continuation (a datastore one weighs 1)"
+    )
+    n_min: int = _option(1, _int_in(1, 64), "REST: shortest context suffix that may match")
+    n_max: int = _option(16, _int_in(1, 64), "REST: longest context suffix tried first")
+    max_matches: int = _option(
+        256, _int_in(1, 100_000), "REST: datastore continuations per request (evenly sampled)"
+    )
+    cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
+    top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
+    min_ratio: float = _option(
+        0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
+    )
 
     def __post_init__(self) -> None:
-        if self.context_ngram_min > self.context_ngram_max:
+        for low, high in (("context_ngram_min", "context_ngram_max"), ("n_min", "n_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise OptionsError(
+                    f"{OPTIONS_KEY}.{low} ({getattr(self, low)}) must not exceed "
+                    f"{OPTIONS_KEY}.{high} ({getattr(self, high)})"
+                )
+        if not (self.use_datastore or self.use_context):
             raise OptionsError(
-                f"{OPTIONS_KEY}.context_ngram_min ({self.context_ngram_min}) must not exceed "
-                f"{OPTIONS_KEY}.context_ngram_max ({self.context_ngram_max})"
+                f"{OPTIONS_KEY}.use_datastore and {OPTIONS_KEY}.use_context are both false: "
+                "REST needs at least one source"
             )
 
     @classmethod

@@ -85,7 +85,8 @@ class TokenDatastore:
         right = self.tokens[b : b + ORDER_CHECK_TOKENS].tolist()
         if left > right:
             raise DatastoreError(
-                f"{self.path / SUFFIX_ARRAY} is corrupt: suffixes {index} and {index + 1} are out of order"
+                f"{self.path / SUFFIX_ARRAY} (or {TOKENS}) is corrupt: suffixes {index} and "
+                f"{index + 1} are out of order; rebuild the datastore"
             )
 
     def describe(self) -> str:
