@@ -47,13 +47,15 @@ def _ngram(k: int) -> dict:
 
 CONFIGS: dict[str, dict] = {
     "none": {},
-    "prompt_lookup_k4": _ours("PromptLookupProposer", 4),
     "prompt_lookup_k8": _ours("PromptLookupProposer", 8),
+    "rest_k8": _ours("RestProposer", 8),
+    "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
+    "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
 }
-DEFAULT_CONFIGS = ["none", "prompt_lookup_k8", "ngram_k4", "ngram_k8", "suffix"]
+DEFAULT_CONFIGS = ["none", "rest_k8", "rest_datastore_k8", "rest_context_k8", "ngram_k4", "ngram_k8", "suffix"]
 
 
 def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:

@@ -224,3 +224,22 @@ def test_long_documents_are_split_at_newlines():
     pieces = list(split_long_document(text, limit=7))
     assert "".join(pieces) == text and all(len(p) <= 7 for p in pieces)
     assert all(p.endswith("\n") for p in pieces)
+
+
+def test_command_line_build_and_inspect(model_dir, source_tree, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli-store"
+    cli = [sys.executable, "-m", "vllm_retrieval_spec.cli", "datastore"]
+    build = subprocess.run(
+        [*cli, "build", "--tokenizer", str(model_dir), "--input", str(source_tree),
+         "--include", "*.py", "--exclude", "*/tests/*", "--out", str(out)],
+        capture_output=True, text=True, check=True,
+    )
+    assert "2 documents" in build.stdout and "bytes/token" in build.stdout
+    inspect = subprocess.run([*cli, "inspect", str(out), "--full"], capture_output=True, text=True, check=True)
+    assert "format version 1" in inspect.stdout and "checksums: ok" in inspect.stdout
+    again = subprocess.run([*cli, "build", "--tokenizer", str(model_dir), "--input", str(source_tree),
+                            "--out", str(out)], capture_output=True, text=True, check=True)
+    assert "already exists" in again.stdout

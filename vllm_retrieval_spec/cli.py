@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> None:
 
     run_demo(
         prompts=args.prompts, max_tokens=args.max_tokens, proposer=args.proposer,
-        num_speculative_tokens=args.num_speculative_tokens, show=args.show,
+        num_speculative_tokens=args.num_speculative_tokens, show=args.show, datastore=args.datastore,
     )
 
 
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="serve the real model with/without speculation and compare")
     demo.add_argument("--prompts", type=int, default=8, help="HumanEval prompts to send (default 8)")
     demo.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    demo.add_argument("--proposer", default="PromptLookupProposer", help="class in vllm_retrieval_spec")
+    demo.add_argument("--proposer", default="RestProposer", help="class in vllm_retrieval_spec")
+    demo.add_argument("--datastore", default="python-code", help="REST datastore: recipe name or directory")
     demo.add_argument("--num-speculative-tokens", type=int, default=8)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)

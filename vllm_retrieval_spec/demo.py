@@ -1,12 +1,14 @@
 """The README's main job: serve the real model through vLLM's OpenAI server without and
-with one of our proposers, send HumanEval requests through the OpenAI client, and show
-answers, acceptance figures, speed and that the outputs are identical."""
+with one of our proposers (by default REST on the embedded Python-code datastore, built once
+into the cache), send HumanEval requests through the OpenAI client, and show answers,
+acceptance figures, speed and that the outputs are identical."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store
 from vllm_retrieval_spec.evaluation.client import ClientRun, openai_client, run_prompts
 from vllm_retrieval_spec.evaluation.metrics import AcceptanceSummary, summarize
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
@@ -25,9 +27,9 @@ class DemoResult:
         return self.summary.generated_tokens / self.run.seconds
 
 
-def _serve_and_ask(model, label, speculative_config, prompts, max_tokens) -> DemoResult:
+def _serve_and_ask(model, label, speculative_config, additional_config, prompts, max_tokens) -> DemoResult:
     print(f"\n== starting vLLM ({label}) ...", flush=True)
-    with VllmServer(model, speculative_config=speculative_config) as server:
+    with VllmServer(model, speculative_config=speculative_config, additional_config=additional_config) as server:
         client = openai_client(server.base_url)
         run_prompts(client, server.served_model_name, prompts[:1], 8)  # warm-up
         before = server.spec_decode_counters()
@@ -36,7 +38,8 @@ def _serve_and_ask(model, label, speculative_config, prompts, max_tokens) -> Dem
     return DemoResult(label, run, summarize(run.records, counters))
 
 
-def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_tokens: int, show: int) -> None:
+def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_tokens: int, show: int,
+             datastore: str) -> None:
     from transformers import AutoTokenizer
 
     model = ensure_smollm2_checkpoint()
@@ -46,13 +49,20 @@ def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_token
         "model": f"vllm_retrieval_spec.{proposer}",
         "num_speculative_tokens": num_speculative_tokens,
     }
-    baseline = _serve_and_ask(model, "no speculation", None, texts, max_tokens)
-    ours = _serve_and_ask(model, proposer, speculative_config, texts, max_tokens)
+    additional_config = None
+    if proposer == "RestProposer":
+        store = ensure_recipe_store(datastore, model) if "/" not in datastore else datastore
+        additional_config = {"retrieval_spec": {"datastore": str(store)}}
+        print(f"datastore: {store}")
+    baseline = _serve_and_ask(model, "no speculation", None, None, texts, max_tokens)
+    ours = _serve_and_ask(model, proposer, speculative_config, additional_config, texts, max_tokens)
 
     for index in range(min(show, len(texts))):
         print(f"\n--- answer {index + 1} ({proposer}) ---\n{ours.run.texts[index].strip()}")
     identical = sum(a.output_ids == b.output_ids for a, b in zip(baseline.run.records, ours.run.records))
     print(f"\nspeculative config: {json.dumps(speculative_config)}")
+    if additional_config:
+        print(f"additional config: {json.dumps(additional_config)}")
     print(f"{len(texts)} HumanEval prompts (chat-wrapped), {max_tokens} new tokens, greedy, batch 1")
     print(f"{'config':24s} {'tok/s':>7s} {'honest tok/step':>16s} {'vLLM MAL':>9s} {'accept':>7s} {'speed-up':>9s}")
     for result in (baseline, ours):

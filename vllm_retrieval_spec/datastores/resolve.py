@@ -40,3 +40,16 @@ def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[To
     """Open the store named by ``option`` and check it against the model's tokenizer."""
     identity = tokenizer_identity(tokenizer_dir)
     return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity
+
+
+def ensure_recipe_store(name: str, tokenizer_dir: str | Path) -> Path:
+    """The recipe's store for this tokenizer, built into the cache first if missing."""
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.recipes import load_recipe
+
+    store_dir = recipe_store_dir(name, tokenizer_identity(tokenizer_dir))
+    if not store_dir.exists():
+        recipe = load_recipe(name)
+        print(f"building the {name!r} datastore (once): {recipe.description}", flush=True)
+        build_datastore(tokenizer_dir, recipe.input_specs(), store_dir, extra_build_info={"recipe": name})
+    return store_dir
