@@ -14,6 +14,7 @@ Writes benchmarks/results/draft_latency_<datastore>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -134,11 +135,7 @@ def main() -> None:
 
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(args.datastore, model)
-    defaults = RetrievalSpecOptions()
-    params = RestParams(n_min=defaults.n_min, n_max=defaults.n_max, max_matches=defaults.max_matches,
-                        cont_len=defaults.cont_len, top_k=defaults.top_k, chain_len=args.k,
-                        min_ratio=defaults.min_ratio, context_weight=defaults.context_weight,
-                        context_max_matches=defaults.context_max_matches)
+    params = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k)
     traces = greedy_traces(model, "raw", 164, 128)
     cores = os.cpu_count() or 1
     report = {"datastore": str(store.path), "datastore_tokens": store.manifest.num_tokens,
@@ -153,7 +150,7 @@ def main() -> None:
         threads = 1 if batch == 1 else 0
         rest_both = time_rest(store, params, batches, threads)
         rest_both["proposer"] = "rest"
-        rest_store = time_rest(store, RestParams(**{**params.__dict__, "use_context": False}), batches, threads)
+        rest_store = time_rest(store, dataclasses.replace(params, use_context=False), batches, threads)
         rest_store["proposer"] = "rest_datastore"
         results = [rest_both, rest_store, {**time_vllm_ngram(batches, args.k), "proposer": "vllm_ngram"}]
         suffix = time_vllm_suffix(batches, args.k)

@@ -36,6 +36,7 @@ from vllm_retrieval_spec.evaluation.replay import (  # noqa: E402
 from vllm_retrieval_spec.kernels import context_ngram  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,20 +103,26 @@ def main() -> None:
     parser.add_argument("--tree-nodes", type=int, default=64, help="node budget of tree variants")
     parser.add_argument("--datastore", default="python-code", help="directory or recipe name")
     parser.add_argument("--grid", nargs="*", default=[], help="RestParams axes, e.g. context_weight=1,4")
+    parser.add_argument("--sources", nargs="+", default=["both", "datastore", "context"],
+                        choices=["both", "datastore", "context"], help="REST sources to score")
+    parser.add_argument("--shapes", nargs="+", default=["chain", "tree"], choices=["chain", "tree"])
     args = parser.parse_args()
 
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(args.datastore, model)
-    base = RestParams(chain_len=args.k, top_k=args.tree_nodes)
+    base = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k, top_k=args.tree_nodes)
     variants = {f"prompt_lookup_k{args.k}": prompt_lookup_drafter(args.k, 4)}
     for overrides in parse_grid(args.grid):
         label = ",".join(f"{k}={v}" for k, v in overrides.items())
         params = dataclasses.replace(base, **overrides)
-        for name, extra in (("both", {}), ("datastore", {"use_context": False}), ("context", {"use_datastore": False})):
-            p = dataclasses.replace(params, **extra)
+        sources = {"both": {}, "datastore": {"use_context": False}, "context": {"use_datastore": False}}
+        for name in args.sources:
+            p = dataclasses.replace(params, **sources[name])
             suffix = f" [{label}]" if label else ""
-            variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
-            variants[f"rest_{name}_tree{args.tree_nodes}{suffix}"] = rest_drafter(store, p, tree=True)
+            if "chain" in args.shapes:
+                variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
+            if "tree" in args.shapes:
+                variants[f"rest_{name}_tree{args.tree_nodes}{suffix}"] = rest_drafter(store, p, tree=True)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):

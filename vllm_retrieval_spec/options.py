@@ -82,7 +82,7 @@ class RetrievalSpecOptions:
     use_datastore: bool = _option(True, _bool, "REST: retrieve from the datastore")
     use_context: bool = _option(True, _bool, "REST: retrieve from the request's own context")
     context_weight: float = _option(
-        4.0, _float_in(0.0, 1e6), "REST: weight of one context continuation (a datastore one weighs 1)"
+        256.0, _float_in(0.0, 1e6), "REST: weight of one context continuation (a datastore one weighs 1)"
     )
     n_min: int = _option(1, _int_in(1, 64), "REST: shortest context suffix that may match")
     n_max: int = _option(16, _int_in(1, 64), "REST: longest context suffix tried first")

@@ -25,9 +25,10 @@ TIMING_PHASES = ("search", "gather", "trie", "select")
 
 @dataclass(frozen=True)
 class RestParams:
-    """Retrieval and selection settings (see the module docstring)."""
+    """Retrieval and selection settings (see the module docstring); the serving defaults
+    come from :class:`~vllm_retrieval_spec.options.RetrievalSpecOptions` via :meth:`from_options`."""
 
-    n_min: int = 2
+    n_min: int = 1
     n_max: int = 16
     max_matches: int = 256
     cont_len: int = 10
@@ -38,6 +39,12 @@ class RestParams:
     use_context: bool = True
     context_weight: float = 1.0
     context_max_matches: int = 64
+
+    @classmethod
+    def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
+        """The REST settings of a ``RetrievalSpecOptions`` for chains of ``chain_len``."""
+        values = {f: getattr(options, f) for f in cls.__dataclass_fields__ if hasattr(options, f)}
+        return cls(**{**values, "chain_len": chain_len, **overrides})
 
 
 @dataclass

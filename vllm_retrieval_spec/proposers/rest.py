@@ -23,19 +23,7 @@ class RestProposer(DraftProposer):
             self.datastore, _ = open_datastore_for_model(
                 options.datastore, vllm_config.model_config.tokenizer
             )
-        self.params = RestParams(
-            n_min=options.n_min,
-            n_max=options.n_max,
-            max_matches=options.max_matches,
-            cont_len=options.cont_len,
-            top_k=options.top_k,
-            chain_len=self.num_speculative_tokens,
-            min_ratio=options.min_ratio,
-            use_datastore=options.use_datastore,
-            use_context=options.use_context,
-            context_weight=options.context_weight,
-            context_max_matches=options.context_max_matches,
-        )
+        self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens)
         self.last_drafts: RestDrafts | None = None
 
     def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
