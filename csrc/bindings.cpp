@@ -195,20 +195,27 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const TokenMatrix<nb::dev
   });
 }
 
+using OffsetVector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
 template <typename Tok>
 void dispatch_suffix_array(const std::optional<AnyVector>& store_tokens,
                            const std::optional<AnyVector>& suffix_array, uint32_t separator,
+                           const std::optional<OffsetVector>& offsets,
                            const TokenMatrix<nb::device::cpu>& tokens,
                            const ConstVector<nb::device::cpu>& lengths,
                            const ConstVector<nb::device::cpu>& rows, RestOutputs& out,
                            const vrs::RestParams& prm, int num_threads) {
   const auto* tok = static_cast<const Tok*>(store_tokens->data());
   const int64_t size = static_cast<int64_t>(store_tokens->shape(0));
+  const int64_t* offset_data = offsets ? offsets->data() : nullptr;
+  const int64_t num_offsets = offsets ? static_cast<int64_t>(offsets->shape(0)) : 0;
   if (suffix_array->dtype() == nb::dtype<int32_t>()) {
-    vrs::SuffixIndex<Tok, int32_t> index{tok, static_cast<const int32_t*>(suffix_array->data()), size, separator};
+    vrs::SuffixIndex<Tok, int32_t> index{tok, static_cast<const int32_t*>(suffix_array->data()),
+                                         size, separator, offset_data, num_offsets};
     run_rest(&index, tokens, lengths, rows, out, prm, num_threads);
   } else if (suffix_array->dtype() == nb::dtype<int64_t>()) {
-    vrs::SuffixIndex<Tok, int64_t> index{tok, static_cast<const int64_t*>(suffix_array->data()), size, separator};
+    vrs::SuffixIndex<Tok, int64_t> index{tok, static_cast<const int64_t*>(suffix_array->data()),
+                                         size, separator, offset_data, num_offsets};
     run_rest(&index, tokens, lengths, rows, out, prm, num_threads);
   } else {
     throw std::invalid_argument("suffix_array must be int32 or int64");
@@ -216,7 +223,8 @@ void dispatch_suffix_array(const std::optional<AnyVector>& store_tokens,
 }
 
 int rest_retrieve(std::optional<AnyVector> store_tokens, std::optional<AnyVector> suffix_array,
-                  uint32_t separator, TokenMatrix<nb::device::cpu> tokens,
+                  uint32_t separator, std::optional<OffsetVector> offsets,
+                  TokenMatrix<nb::device::cpu> tokens,
                   ConstVector<nb::device::cpu> lengths, ConstVector<nb::device::cpu> rows,
                   RestOutputs out, int n_min, int n_max, int max_matches, int cont_len,
                   double min_ratio, bool use_datastore, bool use_context, double context_weight,
@@ -241,10 +249,12 @@ int rest_retrieve(std::optional<AnyVector> store_tokens, std::optional<AnyVector
   }
   if (store_tokens->shape(0) != suffix_array->shape(0))
     throw std::invalid_argument("store_tokens and suffix_array must have the same length");
+  if (offsets && (offsets->shape(0) < 1 || offsets->data()[offsets->shape(0) - 1] > static_cast<int64_t>(suffix_array->shape(0))))
+    throw std::invalid_argument("first_token_offsets do not fit this suffix array");
   if (store_tokens->dtype() == nb::dtype<uint16_t>())
-    dispatch_suffix_array<uint16_t>(store_tokens, suffix_array, separator, tokens, lengths, rows, out, prm, num_threads);
+    dispatch_suffix_array<uint16_t>(store_tokens, suffix_array, separator, offsets, tokens, lengths, rows, out, prm, num_threads);
   else if (store_tokens->dtype() == nb::dtype<uint32_t>())
-    dispatch_suffix_array<uint32_t>(store_tokens, suffix_array, separator, tokens, lengths, rows, out, prm, num_threads);
+    dispatch_suffix_array<uint32_t>(store_tokens, suffix_array, separator, offsets, tokens, lengths, rows, out, prm, num_threads);
   else
     throw std::invalid_argument("store_tokens must be uint16 or uint32");
   return static_cast<int>(num_rows);
@@ -282,7 +292,8 @@ NB_MODULE(_C, m) {
   m.def(
       "rest_retrieve",
       [](std::optional<AnyVector> store_tokens, std::optional<AnyVector> suffix_array,
-         uint32_t separator, TokenMatrix<nb::device::cpu> tokens,
+         uint32_t separator, std::optional<OffsetVector> first_token_offsets,
+         TokenMatrix<nb::device::cpu> tokens,
          ConstVector<nb::device::cpu> lengths, ConstVector<nb::device::cpu> rows,
          Output<nb::device::cpu, 2> tree_tokens, Output<nb::device::cpu, 2> tree_parents,
          Output<nb::device::cpu, 1> tree_size, Output<nb::device::cpu, 2> chain_tokens,
@@ -291,14 +302,15 @@ NB_MODULE(_C, m) {
          int n_min, int n_max, int max_matches, int cont_len, double min_ratio,
          bool use_datastore, bool use_context, double context_weight, int context_max_matches,
          int num_threads) {
-        return rest_retrieve(store_tokens, suffix_array, separator, tokens, lengths, rows,
+        return rest_retrieve(store_tokens, suffix_array, separator, first_token_offsets, tokens,
+                             lengths, rows,
                              RestOutputs{tree_tokens, tree_parents, tree_size, chain_tokens,
                                          chain_size, match_info, timings},
                              n_min, n_max, max_matches, cont_len, min_ratio, use_datastore,
                              use_context, context_weight, context_max_matches, num_threads);
       },
       nb::arg("store_tokens").none(), nb::arg("suffix_array").none(), nb::arg("separator"),
-      nb::arg("tokens"), nb::arg("lengths"), nb::arg("rows"), nb::arg("tree_tokens"),
+      nb::arg("first_token_offsets").none(), nb::arg("tokens"), nb::arg("lengths"), nb::arg("rows"), nb::arg("tree_tokens"),
       nb::arg("tree_parents"), nb::arg("tree_size"), nb::arg("chain_tokens"),
       nb::arg("chain_size"), nb::arg("match_info"), nb::arg("timings").none(),
       nb::arg("n_min"), nb::arg("n_max"), nb::arg("max_matches"), nb::arg("cont_len"),

@@ -47,6 +47,25 @@ VRS_HD inline int find_recent_matches(const int32_t* ctx, int n, int q, int max_
   return m;
 }
 
+// Longest q in [q_min, q_max] whose last-q-token query occurred earlier (an occurrence of
+// length q implies one of length q - 1, so binary search over q); fills match_pos with its
+// most recent occurrences. Returns q (0: none) and sets *num_matches.
+VRS_HD inline int longest_recent_match(const int32_t* ctx, int n, int q_min, int q_max,
+                                       int max_matches, int* match_pos, int* num_matches) {
+  int low = q_min > 1 ? q_min : 1, high = q_max < n - 1 ? q_max : n - 1, best = 0;
+  while (low <= high) {
+    const int mid = low + (high - low) / 2;
+    if (find_recent_matches(ctx, n, mid, 1, match_pos) > 0) {
+      best = mid;
+      low = mid + 1;
+    } else {
+      high = mid - 1;
+    }
+  }
+  *num_matches = best > 0 ? find_recent_matches(ctx, n, best, max_matches, match_pos) : 0;
+  return best;
+}
+
 // Returns the q that matched (0: none). Outputs: drafts [k*w] (-1 padded), lengths [k],
 // counts [k]; rows past the number of distinct continuations stay empty.
 VRS_HD inline int context_ngram_one(const int32_t* ctx, int n, const ContextNgramParams& prm,
@@ -55,12 +74,8 @@ VRS_HD inline int context_ngram_one(const int32_t* ctx, int n, const ContextNgra
   for (int i = 0; i < prm.k * prm.w; ++i) out_drafts[i] = -1;
   for (int i = 0; i < prm.k; ++i) out_lengths[i] = out_counts[i] = 0;
 
-  int q = prm.q_max < n - 1 ? prm.q_max : n - 1;
   int m = 0;
-  for (; q >= prm.q_min && q > 0; --q) {
-    m = find_recent_matches(ctx, n, q, prm.max_matches, match_pos);
-    if (m > 0) break;
-  }
+  const int q = longest_recent_match(ctx, n, prm.q_min, prm.q_max, prm.max_matches, match_pos, &m);
   if (m == 0) return 0;
 
   // Count each distinct continuation at its most recent occurrence; -1 marks duplicates.

@@ -44,6 +44,23 @@ struct SuffixIndex {
   const Idx* suffix_array;
   int64_t size;
   uint32_t separator;
+  // Optional: offsets[t] = suffixes starting with a token below t (t < num_offsets), so the
+  // suffixes starting with t are [offsets[t], offsets[t + 1]); narrows every binary search.
+  const int64_t* offsets = nullptr;
+  int64_t num_offsets = 0;
+
+  // The suffix-array range that can hold suffixes starting with token t (empty: none can).
+  void first_token_range(int32_t t, int64_t* lo, int64_t* hi) const {
+    if (offsets == nullptr) {
+      *lo = 0;
+      *hi = size;
+    } else if (t < 0 || t + 1 >= num_offsets) {
+      *lo = *hi = 0;
+    } else {
+      *lo = offsets[t];
+      *hi = offsets[t + 1];
+    }
+  }
 
   // <0, 0, >0: the suffix at pos against query q[0..len) (0: q is a prefix of the suffix).
   int compare(int64_t pos, const int32_t* q, int len) const {
@@ -56,27 +73,41 @@ struct SuffixIndex {
     return 0;
   }
 
-  int64_t lower_bound(const int32_t* q, int len) const {
-    int64_t lo = 0, hi = size;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (compare(suffix_array[mid], q, len) < 0) lo = mid + 1; else hi = mid;
+  // First entry of [lo, hi) whose suffix does not sort before q (strict: before or equal).
+  // The two possible next midpoints are prefetched so that their cache misses overlap.
+  template <bool kStrict>
+  int64_t partition_point(const int32_t* q, int len, int64_t lo, int64_t hi) const {
+    int64_t count = hi - lo;
+    while (count > 0) {
+      const int64_t half = count / 2;
+      const int64_t mid = lo + half;
+      __builtin_prefetch(suffix_array + lo + half / 2);
+      __builtin_prefetch(suffix_array + mid + 1 + (count - half - 1) / 2);
+      const int c = compare(suffix_array[mid], q, len);
+      if (kStrict ? c <= 0 : c < 0) {
+        lo = mid + 1;
+        count -= half + 1;
+      } else {
+        count = half;
+      }
     }
     return lo;
   }
 
-  int64_t upper_bound(const int32_t* q, int len, int64_t from) const {
-    int64_t lo = from, hi = size;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (compare(suffix_array[mid], q, len) <= 0) lo = mid + 1; else hi = mid;
-    }
-    return lo;
+  int64_t lower_bound(const int32_t* q, int len, int64_t lo, int64_t hi) const {
+    return partition_point<false>(q, len, lo, hi);
   }
 
-  bool occurs(const int32_t* q, int len, int64_t* first) const {
-    *first = lower_bound(q, len);
-    return *first < size && compare(suffix_array[*first], q, len) == 0;
+  int64_t upper_bound(const int32_t* q, int len, int64_t lo, int64_t hi) const {
+    return partition_point<true>(q, len, lo, hi);
+  }
+
+  // Whether q occurs: its first suffix-array entry and the end of its first-token bucket.
+  bool occurs(const int32_t* q, int len, int64_t* first, int64_t* bucket_end) const {
+    int64_t lo;
+    first_token_range(q[0], &lo, bucket_end);
+    *first = lower_bound(q, len, lo, *bucket_end);
+    return *first < *bucket_end && compare(suffix_array[*first], q, len) == 0;
   }
 };
 
@@ -137,27 +168,42 @@ class ContinuationTrie {
     return a < b;
   }
 
-  // The top_k heaviest nodes (a subtree: a parent always ranks before its children),
-  // written breadth-first (by depth, then rank) with parent positions; returns the count.
+  // The top_k heaviest nodes, written breadth-first (by depth, then rank) with parent
+  // positions; returns the count. Every node ranks after its parent, so the top_k form a
+  // subtree and a best-first expansion from the root finds them without sorting the trie.
   int select_tree(int top_k, int32_t* tokens, int32_t* parents) {
-    std::vector<int32_t>& order = scratch_;
-    order.resize(nodes_.size() - 1);
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i + 1);
-    const int k = std::min<int>(top_k, static_cast<int>(order.size()));
-    auto by_rank = [this](int32_t a, int32_t b) { return ranks_before(a, b); };
-    if (k < static_cast<int>(order.size()))
-      std::nth_element(order.begin(), order.begin() + k, order.end(), by_rank);
-    order.resize(k);
-    std::sort(order.begin(), order.end(), [this](int32_t a, int32_t b) {
+    if (top_k <= 0) return 0;
+    auto worse = [this](int32_t a, int32_t b) { return ranks_before(b, a); };
+    std::vector<int32_t>& frontier = scratch_;
+    std::vector<int32_t>& chosen = chosen_;
+    frontier.clear();
+    chosen.clear();
+    for (int32_t c = nodes_[0].first_child; c >= 0; c = nodes_[c].next_sibling) frontier.push_back(c);
+    std::make_heap(frontier.begin(), frontier.end(), worse);
+    while (!frontier.empty() && static_cast<int>(chosen.size()) < top_k) {
+      std::pop_heap(frontier.begin(), frontier.end(), worse);
+      const int32_t best = frontier.back();
+      frontier.pop_back();
+      chosen.push_back(best);
+      for (int32_t c = nodes_[best].first_child; c >= 0; c = nodes_[c].next_sibling) {
+        frontier.push_back(c);
+        std::push_heap(frontier.begin(), frontier.end(), worse);
+      }
+    }
+    std::sort(chosen.begin(), chosen.end(), [this](int32_t a, int32_t b) {
       if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
       return ranks_before(a, b);
     });
-    position_.assign(nodes_.size(), -1);
+    const int k = static_cast<int>(chosen.size());
     for (int i = 0; i < k; ++i) {
-      const Node& node = nodes_[order[i]];
-      position_[order[i]] = i;
+      const Node& node = nodes_[chosen[i]];
       tokens[i] = node.token;
-      parents[i] = node.parent == 0 ? -1 : position_[node.parent];
+      parents[i] = -1;
+      for (int j = i - 1; node.parent != 0 && j >= 0; --j)
+        if (chosen[j] == node.parent) {
+          parents[i] = j;
+          break;
+        }
     }
     return k;
   }
@@ -204,7 +250,7 @@ class ContinuationTrie {
   std::vector<uint32_t> buffer32_;
   std::vector<int32_t> lengths_;
   std::vector<int32_t> scratch_;
-  std::vector<int32_t> position_;
+  std::vector<int32_t> chosen_;
 };
 
 // Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is
@@ -213,13 +259,14 @@ template <typename Tok, typename Idx>
 int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* ctx, int n,
                             const RestParams& prm, int64_t* lo, int64_t* hi) {
   int low = std::max(prm.n_min, 1), high = std::min(prm.n_max, n), best = 0;
-  int64_t best_first = 0;
+  int64_t best_first = 0, best_bucket_end = 0;
   while (low <= high) {
     const int mid = low + (high - low) / 2;
-    int64_t first;
-    if (index.occurs(ctx + n - mid, mid, &first)) {
+    int64_t first, bucket_end;
+    if (index.occurs(ctx + n - mid, mid, &first, &bucket_end)) {
       best = mid;
       best_first = first;
+      best_bucket_end = bucket_end;
       low = mid + 1;
     } else {
       high = mid - 1;
@@ -227,7 +274,7 @@ int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* c
   }
   if (best > 0) {
     *lo = best_first;
-    *hi = index.upper_bound(ctx + n - best, best, best_first);
+    *hi = index.upper_bound(ctx + n - best, best, best_first, best_bucket_end);
   }
   return best;
 }
@@ -268,15 +315,11 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, i
   int ctx_len = 0;
   if (prm.use_context && prm.context_weight > 0) {
     int match_pos[kMaxContextMatches];
-    for (int q = std::min(prm.n_max, n - 1); q >= std::max(prm.n_min, 1); --q) {
-      const int m = find_recent_matches(ctx, n, q, prm.context_max_matches, match_pos);
-      if (m == 0) continue;
-      ctx_len = q;
-      for (int i = 0; i < m; ++i) {
-        const int start = match_pos[i] + q;
-        trie.insert(ctx + start, std::min(prm.cont_len, n - start), true);
-      }
-      break;
+    int m = 0;
+    ctx_len = longest_recent_match(ctx, n, prm.n_min, prm.n_max, prm.context_max_matches, match_pos, &m);
+    for (int i = 0; i < m; ++i) {
+      const int start = match_pos[i] + ctx_len;
+      trie.insert(ctx + start, std::min(prm.cont_len, n - start), true);
     }
   }
   auto t3 = clock::now();

@@ -243,3 +243,12 @@ def test_command_line_build_and_inspect(model_dir, source_tree, tmp_path):
     again = subprocess.run([*cli, "build", "--tokenizer", str(model_dir), "--input", str(source_tree),
                             "--out", str(out)], capture_output=True, text=True, check=True)
     assert "already exists" in again.stdout
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused():
+    from vllm_retrieval_spec.datastores.reader import first_token_offsets
+
+    tokens = np.array([1, 2, 65535, 9, 65535], dtype=np.uint16)
+    assert first_token_offsets(tokens, 65535, 10).tolist() == [0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3]
+    with pytest.raises(DatastoreError, match="token ids >= the vocabulary size 5"):
+        first_token_offsets(tokens, 65535, 5, "tokens.bin")

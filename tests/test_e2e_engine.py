@@ -38,7 +38,7 @@ def test_prompt_lookup_is_lossless_and_accepts_tokens(model_dir, e2e_prompts, ba
 
 
 def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
-    options = {"datastore": str(code_store)}
+    options = {"datastore": str(code_store), "tree": True}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)

@@ -10,17 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydivsufsort import divsufsort
 
+from vllm_retrieval_spec.datastores.reader import first_token_offsets
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve, rest_retrieve_reference
 
 
-def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.int32):
+def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.int32, vocab_size=None):
+    """A store as the builder makes it; with ``vocab_size``, also the first-token offsets."""
     separator = int(np.iinfo(token_dtype).max)
     flat: list[int] = []
     for document in documents:
         flat += document + [separator]
     tokens = np.array(flat, dtype=token_dtype)
     suffix_array = divsufsort(tokens).astype(sa_dtype) if len(tokens) else np.zeros(0, sa_dtype)
-    return SimpleNamespace(tokens=tokens, suffix_array=suffix_array, separator=separator)
+    offsets = None if vocab_size is None else first_token_offsets(tokens, separator, vocab_size)
+    return SimpleNamespace(tokens=tokens, suffix_array=suffix_array, separator=separator,
+                           first_token_offsets=offsets)
 
 
 def pack(contexts):
@@ -66,22 +70,24 @@ params_strategy = st.builds(
     context_max_matches=st.integers(1, 8),
 )
 documents_strategy = st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=6)
-contexts_strategy = st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=5)
+# Context ids 0..4: id 4 is outside a vocabulary of 4 (no suffix can start with it).
+contexts_strategy = st.lists(st.lists(st.integers(0, 4), max_size=25), min_size=1, max_size=5)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(documents=documents_strategy, contexts=contexts_strategy, params=params_strategy,
-       wide=st.booleans(), num_threads=st.integers(0, 3))
-def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, num_threads):
-    store = make_store(documents, np.uint32 if wide else np.uint16, np.int64 if wide else np.int32)
+       wide=st.booleans(), vocab_size=st.sampled_from([None, 4, 6]), num_threads=st.integers(0, 3))
+def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, vocab_size, num_threads):
+    store = make_store(documents, np.uint32 if wide else np.uint16, np.int64 if wide else np.int32, vocab_size)
     got = kernel_results(store, contexts, params, num_threads)
     assert got == reference_results(store, contexts, params)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
 
 
-def test_matches_stop_at_document_separators_and_the_end_of_the_store():
-    store = make_store([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9, 1, 2]])
+@pytest.mark.parametrize("vocab_size", [None, 10])
+def test_matches_stop_at_document_separators_and_the_end_of_the_store(vocab_size):
+    store = make_store([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9, 1, 2]], vocab_size=vocab_size)
     params = RestParams(n_min=1, n_max=4, cont_len=4, top_k=8, chain_len=4, min_ratio=0.0, use_context=False)
     (result,) = kernel_results(store, [[8, 1, 2]], params)
     assert result["match_info"] == [2, 0, 3]  # "1 2" three times, one at the very end

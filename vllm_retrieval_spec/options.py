@@ -87,10 +87,13 @@ class RetrievalSpecOptions:
     n_min: int = _option(1, _int_in(1, 64), "REST: shortest context suffix that may match")
     n_max: int = _option(16, _int_in(1, 64), "REST: longest context suffix tried first")
     max_matches: int = _option(
-        256, _int_in(1, 100_000), "REST: datastore continuations per request (evenly sampled)"
+        128, _int_in(1, 100_000), "REST: datastore continuations per request (evenly sampled)"
     )
     cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
     top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
+    tree: bool = _option(
+        False, _bool, "REST: also build the top_k draft tree every step (kept for tree verification)"
+    )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
     )

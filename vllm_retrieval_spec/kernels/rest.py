@@ -42,8 +42,10 @@ class RestParams:
 
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
-        """The REST settings of a ``RetrievalSpecOptions`` for chains of ``chain_len``."""
+        """The REST settings of a ``RetrievalSpecOptions`` for chains of ``chain_len``; trees
+        (``top_k`` nodes) only when ``options.tree`` is set."""
         values = {f: getattr(options, f) for f in cls.__dataclass_fields__ if hasattr(options, f)}
+        values["top_k"] = options.top_k if options.tree else 0
         return cls(**{**values, "chain_len": chain_len, **overrides})
 
 
@@ -96,6 +98,7 @@ def rest_retrieve(
         None if store is None else store.tokens,
         None if store is None else store.suffix_array,
         0 if store is None else store.separator,
+        getattr(store, "first_token_offsets", None),
         np.ascontiguousarray(tokens, dtype=np.int32),
         np.ascontiguousarray(lengths, dtype=np.int32),
         rows,

@@ -12,8 +12,9 @@ from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
 class RestProposer(DraftProposer):
     """Drafts the heaviest chain of a trie merging datastore and in-context continuations of
-    the longest matching suffix (REST, extended with the context source). The full draft
-    trees of the last step stay in :attr:`last_drafts` for tree verification."""
+    the longest matching suffix (REST, extended with the context source). With the ``tree``
+    option the top-``top_k`` draft trees of the last step stay in :attr:`last_drafts` for
+    tree verification."""
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
@@ -23,6 +24,7 @@ class RestProposer(DraftProposer):
             self.datastore, _ = open_datastore_for_model(
                 options.datastore, vllm_config.model_config.tokenizer
             )
+            self.datastore.prefetch()
         self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens)
         self.last_drafts: RestDrafts | None = None
 
