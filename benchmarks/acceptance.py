@@ -51,6 +51,7 @@ CONFIGS: dict[str, dict] = {
     "rest_k8": _ours("RestProposer", 8),
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
+    "ngrammys_k8": _ours("NGramProposer", 8),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

@@ -34,6 +34,8 @@ from replay import greedy_traces  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import TIMING_PHASES, RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.ngrams.drafts import mixed_drafts  # noqa: E402
+from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, default_table_dir  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -75,6 +77,19 @@ def time_rest(store, params, batches, threads) -> dict:
     breakdown = dict(zip(TIMING_PHASES, np.mean(phases, axis=0).round(2).tolist()))
     return {"us_per_request": percentiles(per_request), "ms_per_batch": percentiles(per_batch),
             "breakdown_us_per_request": breakdown}
+
+
+def time_ngrammys(table, batches, k: int, w: int, q: int) -> dict:
+    per_request, per_batch = [], []
+    for matrix, lengths in batches:
+        start = time.perf_counter()
+        drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
+                              k=k, w=w, q=q, mixing="context-first")
+        [drafts.chain(i) for i in range(len(lengths))]
+        elapsed = time.perf_counter() - start
+        per_batch.append(elapsed * 1e3)
+        per_request.append(elapsed * 1e6 / len(lengths))
+    return {"us_per_request": percentiles(per_request), "ms_per_batch": percentiles(per_batch)}
 
 
 def time_vllm_ngram(batches, k: int) -> dict:
@@ -136,7 +151,10 @@ def main() -> None:
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(args.datastore, model)
     store.prefetch(wait=True)  # steady state: a serving process has the store in the page cache
-    params = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k)
+    options = RetrievalSpecOptions()
+    params = RestParams.from_options(options, chain_len=args.k)
+    table_dir = default_table_dir(ModelIdentity.of(model))
+    table = NgramTable.open(table_dir) if table_dir.exists() else None
     traces = greedy_traces(model, "raw", 164, 128)
     cores = os.cpu_count() or 1
     report = {"datastore": str(store.path), "datastore_tokens": store.manifest.num_tokens,
@@ -156,6 +174,8 @@ def main() -> None:
             ("rest_tree64", dataclasses.replace(params, top_k=64)),
         ):
             results.append({**time_rest(store, variant, batches, threads), "proposer": name})
+        if table is not None:
+            results.append({**time_ngrammys(table, batches, options.k, args.k, options.q), "proposer": "ngrammys"})
         results.append({**time_vllm_ngram(batches, args.k), "proposer": "vllm_ngram"})
         suffix = time_vllm_suffix(batches, args.k)
         if suffix:

@@ -36,6 +36,8 @@ from vllm_retrieval_spec.evaluation.replay import (  # noqa: E402
 from vllm_retrieval_spec.kernels import context_ngram  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.ngrams.drafts import mixed_drafts  # noqa: E402
+from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, default_table_dir  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
@@ -84,6 +86,19 @@ def prompt_lookup_drafter(k: int, q_max: int):
     return draft
 
 
+def ngrammys_drafter(table, k: int, w: int, q: int, tree: bool):
+    def draft(matrix, lengths):
+        import numpy as np
+
+        drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
+                              k=k, w=w, q=q, mixing="context-first")
+        if tree:
+            return [drafts.tree(i) for i in range(len(lengths))]
+        return [chain_as_tree(drafts.chain(i)) for i in range(len(lengths))]
+
+    return draft
+
+
 def parse_grid(items: list[str]) -> list[dict]:
     axes = []
     for item in items:
@@ -106,6 +121,7 @@ def main() -> None:
     parser.add_argument("--sources", nargs="+", default=["both", "datastore", "context"],
                         choices=["both", "datastore", "context"], help="REST sources to score")
     parser.add_argument("--shapes", nargs="+", default=["chain", "tree"], choices=["chain", "tree"])
+    parser.add_argument("--ngrammys", action="store_true", help="also score N-Grammys (needs its table)")
     args = parser.parse_args()
 
     model = ensure_smollm2_checkpoint()
@@ -123,6 +139,16 @@ def main() -> None:
                 variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
             if "tree" in args.shapes:
                 variants[f"rest_{name}_tree{args.tree_nodes}{suffix}"] = rest_drafter(store, p, tree=True)
+
+    if args.ngrammys:
+        identity = ModelIdentity.of(model)
+        table = NgramTable.open(default_table_dir(identity), expected_model=identity)
+        options = RetrievalSpecOptions()
+        if "chain" in args.shapes:
+            variants["ngrammys_chain"] = ngrammys_drafter(table, options.k, args.k, options.q, tree=False)
+        if "tree" in args.shapes:
+            label = f"ngrammys_tree_k{options.k}_w{args.k}"
+            variants[label] = ngrammys_drafter(table, options.k, args.k, options.q, tree=True)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):

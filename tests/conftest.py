@@ -51,6 +51,14 @@ def code_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="session")
+def ngram_table_dir(model_dir, tmp_path_factory):
+    """N-Grammys tables built from the real model (one forward pass over the vocabulary)."""
+    from vllm_retrieval_spec.ngrams.table import build_ngram_table
+
+    return build_ngram_table(model_dir, tmp_path_factory.mktemp("ngram") / "table", k=10, w=8, progress=False)
+
+
+@pytest.fixture(scope="session")
 def e2e_prompts() -> list[str]:
     return humaneval_prompts(E2E_PROMPTS)
 

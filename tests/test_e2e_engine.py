@@ -51,6 +51,19 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
     assert all(-1 <= parent < index for index, parent in enumerate(tree_parents))
 
 
+def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e_prompts, baseline_runs):
+    options = {"ngram_table": str(ngram_table_dir), "tree": True}
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.NGramProposer", options)) as llm:
+        runs = generate_both_ways(llm, e2e_prompts)
+        drafter = drafter_of(llm)
+    for mode, run in runs.items():
+        assert_same_token_ids(baseline_runs[mode], run)
+        assert run.counters.accepted_tokens > 0, mode
+    assert drafter.stats.failures == 0
+    for tokens, parents in drafter.last_trees():
+        assert all(-1 <= parent < index for index, parent in enumerate(parents))
+
+
 def test_failing_proposer_keeps_the_engine_alive_and_exact(model_dir, e2e_prompts, baseline_runs):
     spec = speculative(model_dir, "vrs_test_proposers.FailingEveryThirdStepProposer")
     with running_engine(spec) as llm:

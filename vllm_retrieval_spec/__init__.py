@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _PROPOSERS = {
     "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
     "RestProposer": "vllm_retrieval_spec.proposers.rest",
+    "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",
 }
 
 __all__ = ["__version__", "register", *_PROPOSERS]

@@ -7,6 +7,7 @@
   answer prompts through the OpenAI client and compare acceptance and speed.
 - ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
   (or a recipe in ``datastores/``), and check one.
+- ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 
@@ -113,6 +115,21 @@ def _datastore_inspect(args: argparse.Namespace) -> None:
         print("  checksums: ok")
 
 
+def _ngram_table_build(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from vllm_retrieval_spec.ngrams.table import ModelIdentity, build_ngram_table, default_table_dir
+
+    out = Path(args.out) if args.out else default_table_dir(ModelIdentity.of(args.model))
+    if out.exists() and not args.replace:
+        print(f"{out} already exists (use --replace to rebuild)")
+        return
+    start = time.perf_counter()
+    build_ngram_table(args.model, out, k=args.k, w=args.w, unigram=not args.no_unigram,
+                      batch_size=args.batch_size, replace=args.replace)
+    print(f"built {out} (k={args.k}, w={args.w}) in {time.perf_counter() - start:.1f} s")
+
+
 def _doctor(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.doctor import report
 
@@ -156,6 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--full", action="store_true", help="also verify the files' sha256")
     inspect.set_defaults(handler=_datastore_inspect)
+
+    ngram_table = commands.add_parser("ngram-table", help="N-Grammys: model-derived n-gram tables")
+    ngram_commands = ngram_table.add_subparsers(dest="ngram_command", required=True)
+    table_build = ngram_commands.add_parser("build", help="run the model over its vocabulary")
+    table_build.add_argument("--model", required=True, help="model directory")
+    table_build.add_argument("--out", help="table directory (default: the cache, keyed by the model)")
+    table_build.add_argument("--k", type=int, default=25, help="top-k next tokens kept (default 25)")
+    table_build.add_argument("--w", type=int, default=14, help="extended-bigram draft length (default 14)")
+    table_build.add_argument("--batch-size", type=int, default=1024, help="tokens per forward pass")
+    table_build.add_argument("--no-unigram", action="store_true", help="skip the unigram ranking")
+    table_build.add_argument("--replace", action="store_true", help="rebuild an existing table")
+    table_build.set_defaults(handler=_ngram_table_build)
 
     doctor = commands.add_parser("doctor", help="check the installation")
     doctor.set_defaults(handler=_doctor)

@@ -55,6 +55,21 @@ def _non_empty_string(key: str, value: Any) -> str:
     return value
 
 
+def _one_of(*choices: str) -> Validator:
+    def validate(key: str, value: Any) -> str:
+        if value not in choices:
+            raise OptionsError(f"{OPTIONS_KEY}.{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+
+    return validate
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise OptionsError(f"{OPTIONS_KEY}.{key} must be a string (a directory), got {value!r}")
+    return value
+
+
 def _option(default: Any, validator: Validator, help: str) -> Any:
     return field(default=default, metadata={"validate": validator, "help": help})
 
@@ -92,10 +107,21 @@ class RetrievalSpecOptions:
     cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
     top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
     tree: bool = _option(
-        False, _bool, "REST: also build the top_k draft tree every step (kept for tree verification)"
+        False, _bool, "REST, N-Grammys: also build draft trees every step (kept for tree verification)"
     )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
+    )
+
+    ngram_table: str = _option(
+        "", _string, "N-Grammys: the model's n-gram table directory (empty: the cache default)"
+    )
+    k: int = _option(10, _int_in(1, 256), "N-Grammys: drafts per request (context n-grams, then bigram)")
+    w: int = _option(8, _int_in(1, 128), "N-Grammys: tokens per draft (at most num_speculative_tokens)")
+    q: int = _option(1, _int_in(1, 8), "N-Grammys: context tokens matched to find context n-grams")
+    mixing: str = _option(
+        "context-first", _one_of("context-first", "context-only", "bigram-only"),
+        "N-Grammys: how the k drafts are filled",
     )
 
     def __post_init__(self) -> None:

@@ -1,0 +1,220 @@
+"""Model-derived n-gram tables (N-Grammys §4.1, algorithms.md §3).
+
+One forward pass over every token of the vocabulary as a one-token input gives the bigram
+``p(. | x)``; we keep its top-k tokens and probabilities, and the *extended* bigram: each of
+the top-k first tokens continued greedily through the bigram to ``w`` tokens. Optionally the
+unigram ranking from the embeddings (paper §4.1: ``p(x) ∝ exp(-d(x))``, ``d`` the distance of
+the output embedding from the mean under the input embeddings' Gram matrix).
+
+Stored like a datastore: built in a temporary directory and renamed into place, with a
+``manifest.json`` that names the model (config and tokenizer hashes), memory-mapped at serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from vllm_retrieval_spec import __version__
+from vllm_retrieval_spec.datastores.format import TokenizerIdentity
+from vllm_retrieval_spec.paths import cache_root
+from vllm_retrieval_spec.storage import atomic_directory, sha256_of_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BIGRAM_TOKENS = "bigram_tokens.bin"
+BIGRAM_PROBS = "bigram_probs.bin"
+EXTENDED = "extended_bigram.bin"
+UNIGRAM_RANKING = "unigram_ranking.bin"
+
+
+class NgramTableError(RuntimeError):
+    """An n-gram table is missing, corrupt, or belongs to another model."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What ties a table to a model: its config and its tokenizer's vocabulary."""
+
+    name: str
+    vocab_size: int
+    config_sha256: str
+    vocab_sha256: str
+
+    @classmethod
+    def of(cls, model_dir: str | Path) -> ModelIdentity:
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        canonical = json.dumps(config, sort_keys=True).encode()
+        tokenizer = TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(model_dir.name, int(config["vocab_size"]), hashlib.sha256(canonical).hexdigest(),
+                   tokenizer.vocab_sha256)
+
+    def matches(self, other: ModelIdentity) -> bool:
+        return (self.config_sha256, self.vocab_sha256) == (other.config_sha256, other.vocab_sha256)
+
+
+def default_table_dir(identity: ModelIdentity) -> Path:
+    """Where ``ngram-table build --model MODEL_DIR`` puts a model's table by default."""
+    return cache_root() / "ngram-tables" / f"{identity.name}-{identity.config_sha256[:12]}"
+
+
+@dataclass
+class NgramTable:
+    """Memory-mapped tables: ``bigram_tokens``/``bigram_probs`` ``[V, k]``, ``extended``
+    ``[V, k, w]`` and optionally ``unigram_ranking`` ``[V]`` (most likely first)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    bigram_tokens: np.ndarray
+    bigram_probs: np.ndarray
+    extended: np.ndarray
+    unigram_ranking: np.ndarray | None
+
+    @property
+    def k(self) -> int:
+        return int(self.manifest["k"])
+
+    @property
+    def w(self) -> int:
+        return int(self.manifest["w"])
+
+    @classmethod
+    def open(cls, path: str | Path, expected_model: ModelIdentity | None = None) -> NgramTable:
+        path = Path(path)
+        manifest = _read_manifest(path)
+        owner = ModelIdentity(**manifest["model"])
+        if expected_model is not None and not owner.matches(expected_model):
+            raise NgramTableError(
+                f"n-gram table {path} was built from model {owner.name!r} (config {owner.config_sha256[:12]}, "
+                f"vocab {owner.vocab_sha256[:12]}), but the served model is {expected_model.name!r} "
+                f"(config {expected_model.config_sha256[:12]}, vocab {expected_model.vocab_sha256[:12]}); "
+                "build a table for it with `vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
+            )
+        v, k, w = owner.vocab_size, int(manifest["k"]), int(manifest["w"])
+        return cls(
+            path=path,
+            manifest=manifest,
+            bigram_tokens=_map(path / BIGRAM_TOKENS, np.int32, (v, k)),
+            bigram_probs=_map(path / BIGRAM_PROBS, np.float32, (v, k)),
+            extended=_map(path / EXTENDED, np.int32, (v, k, w)),
+            unigram_ranking=_map(path / UNIGRAM_RANKING, np.int32, (v,)) if manifest["unigram"] else None,
+        )
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise NgramTableError(
+            f"{manifest_path} not found: {path} is not an n-gram table; build one with "
+            "`vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        ModelIdentity(**manifest["model"])
+    except (ValueError, TypeError, KeyError) as error:
+        raise NgramTableError(f"{manifest_path} is corrupt ({error}); rebuild the table") from error
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise NgramTableError(f"{manifest_path} has format version {manifest.get('format_version')}, "
+                              f"this package reads {FORMAT_VERSION}; rebuild the table")
+    return manifest
+
+
+def _map(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not path.is_file():
+        raise NgramTableError(f"{path} is missing; rebuild the table")
+    if path.stat().st_size != expected:
+        raise NgramTableError(f"{path} is truncated or corrupt: {path.stat().st_size} bytes, "
+                              f"expected {expected} for shape {shape}; rebuild the table")
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25, w: int = 14,
+                      unigram: bool = True, batch_size: int = 1024, replace: bool = False,
+                      progress: bool = True) -> Path:
+    """Run the model over every token as a one-token input and write the tables."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    identity = ModelIdentity.of(model_dir)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress)
+    extended = extend_bigram(top_tokens, w)
+    ranking = unigram_ranking(model) if unigram else None
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, replace=replace) as tmp:
+        top_tokens.tofile(tmp / BIGRAM_TOKENS)
+        top_probs.tofile(tmp / BIGRAM_PROBS)
+        extended.tofile(tmp / EXTENDED)
+        files = [BIGRAM_TOKENS, BIGRAM_PROBS, EXTENDED]
+        if ranking is not None:
+            ranking.tofile(tmp / UNIGRAM_RANKING)
+            files.append(UNIGRAM_RANKING)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "model": asdict(identity),
+            "k": k,
+            "w": w,
+            "unigram": ranking is not None,
+            "files": {name: sha256_of_file(tmp / name) for name in files},
+            "build": {"model_dir": str(model_dir), "batch_size": batch_size, "package_version": __version__,
+                      "seconds": round(time.perf_counter() - start, 2),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out_dir
+
+
+def bigram_top_k(model: Any, token_ids: Sequence[int], k: int, batch_size: int = 1024,
+                 progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of ``p(. | x)`` for each token ``x`` given alone: ``[len, k]`` ids and probabilities."""
+    import torch
+
+    token_ids = list(token_ids)
+    top_tokens = np.empty((len(token_ids), k), dtype=np.int32)
+    top_probs = np.empty((len(token_ids), k), dtype=np.float32)
+    batches = range(0, len(token_ids), batch_size)
+    with torch.inference_mode():
+        for first in tqdm(batches, desc="bigram", unit="batch", disable=not progress):
+            ids = torch.tensor(token_ids[first:first + batch_size]).unsqueeze(1)
+            probs = torch.softmax(model(input_ids=ids).logits[:, -1, :].float(), dim=-1)
+            values, indices = torch.topk(probs, k, dim=-1, sorted=True)
+            top_tokens[first:first + len(ids)] = indices.numpy()
+            top_probs[first:first + len(ids)] = values.numpy()
+    return top_tokens, top_probs
+
+
+def extend_bigram(top_tokens: np.ndarray, w: int) -> np.ndarray:
+    """``[V, k, w]``: each top-k first token continued greedily (bigram top-1) to ``w`` tokens."""
+    vocab, k = top_tokens.shape
+    extended = np.empty((vocab, k, w), dtype=np.int32)
+    extended[:, :, 0] = top_tokens
+    greedy_next = top_tokens[:, 0]
+    for step in range(1, w):
+        extended[:, :, step] = greedy_next[extended[:, :, step - 1]]
+    return extended
+
+
+def unigram_ranking(model: Any) -> np.ndarray:
+    """Tokens by increasing ``d(x) = ||u_x - mean(u)||_V`` (paper §4.1), most likely first."""
+    import torch
+
+    with torch.inference_mode():
+        inputs = model.get_input_embeddings().weight.float()
+        outputs = model.get_output_embeddings().weight.float()
+        gram = inputs.T @ inputs
+        centred = outputs - outputs.mean(dim=0, keepdim=True)
+        distance = ((centred @ gram) * centred).sum(dim=-1)
+        return torch.argsort(distance, stable=True).to(torch.int32).numpy()
