@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPTIONS_KEY = "retrieval_spec"
+MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 
 
 class OptionsError(ValueError):
@@ -120,7 +121,7 @@ class RetrievalSpecOptions:
     w: int = _option(8, _int_in(1, 128), "N-Grammys: tokens per draft (at most num_speculative_tokens)")
     q: int = _option(1, _int_in(1, 8), "N-Grammys: context tokens matched to find context n-grams")
     mixing: str = _option(
-        "context-first", _one_of("context-first", "context-only", "bigram-only"),
+        "context-first", _one_of(*MIXING_POLICIES),
         "N-Grammys: how the k drafts are filled",
     )
 

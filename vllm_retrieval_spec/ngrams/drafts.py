@@ -4,15 +4,11 @@ context n-grams first, then with the model's extended bigram; merge them into a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import numpy as np
 
 from vllm_retrieval_spec.kernels import context_ngram
 from vllm_retrieval_spec.ngrams.table import NgramTable
-
-Mixing = Literal["context-first", "context-only", "bigram-only"]
-MIXING_POLICIES: tuple[str, ...] = get_args(Mixing)
 
 
 @dataclass
@@ -47,8 +43,9 @@ class NgramDrafts:
 
 
 def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,
-                 *, k: int, w: int, q: int, mixing: Mixing, num_threads: int = 0) -> NgramDrafts:
-    """k drafts of up to w tokens per requested row."""
+                 *, k: int, w: int, q: int, mixing: str, num_threads: int = 0) -> NgramDrafts:
+    """k drafts of up to w tokens per requested row; ``mixing`` is one of
+    ``options.MIXING_POLICIES``."""
     k, w = min(k, table.k), min(w, table.w)
     tokens = np.full((len(rows), k, w), -1, dtype=np.int32)
     lengths = np.zeros((len(rows), k), dtype=np.int32)
