@@ -79,12 +79,15 @@ def test_table_rows_are_the_models_own_bigram_and_deterministic(model_dir, ngram
     assert table.bigram_tokens.shape == (49152, 10) and table.extended.shape == (49152, 10, 8)
     assert table.unigram_ranking is not None and sorted(table.unigram_ranking[:5].tolist()) != []
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    again_tokens, again_probs = bigram_top_k(model, range(1024), 10, batch_size=1024)
+    prefix = table.manifest["prefix"]
+    assert prefix == [0]  # SmolLM2's <|endoftext|>: where a document starts
+    again_tokens, again_probs = bigram_top_k(model, range(1024), 10, batch_size=1024, prefix=prefix)
     assert np.array_equal(again_tokens, table.bigram_tokens[:1024])
     assert np.array_equal(again_probs, table.bigram_probs[:1024])
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([[1604]])).logits[0, -1]
+        logits = model(input_ids=torch.tensor([prefix + [1604]])).logits[0, -1]
     assert int(logits.argmax()) == int(table.bigram_tokens[1604, 0])
+    assert len(np.unique(table.bigram_tokens[:, 0])) > 100  # not one attractor token for all
     assert np.all(np.diff(table.bigram_probs[:1024], axis=1) <= 0)
 
 

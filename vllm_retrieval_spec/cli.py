@@ -125,8 +125,9 @@ def _ngram_table_build(args: argparse.Namespace) -> None:
         print(f"{out} already exists (use --replace to rebuild)")
         return
     start = time.perf_counter()
+    prefix = None if args.prefix == "auto" else [int(t) for t in args.prefix.split(",") if t.strip()]
     build_ngram_table(args.model, out, k=args.k, w=args.w, unigram=not args.no_unigram,
-                      batch_size=args.batch_size, replace=args.replace)
+                      batch_size=args.batch_size, replace=args.replace, prefix=prefix)
     print(f"built {out} (k={args.k}, w={args.w}) in {time.perf_counter() - start:.1f} s")
 
 
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     table_build.add_argument("--w", type=int, default=14, help="extended-bigram draft length (default 14)")
     table_build.add_argument("--batch-size", type=int, default=1024, help="tokens per forward pass")
     table_build.add_argument("--no-unigram", action="store_true", help="skip the unigram ranking")
+    table_build.add_argument("--prefix", default="auto", help="token ids placed before each token, "
+                             "comma-separated, '' for none (default auto: the document-start token)")
     table_build.add_argument("--replace", action="store_true", help="rebuild an existing table")
     table_build.set_defaults(handler=_ngram_table_build)
 

@@ -1,7 +1,11 @@
 """Model-derived n-gram tables (N-Grammys §4.1, algorithms.md §3).
 
 One forward pass over every token of the vocabulary as a one-token input gives the bigram
-``p(. | x)``; we keep its top-k tokens and probabilities, and the *extended* bigram: each of
+``p(. | x)``; we keep its top-k tokens and probabilities. Each token is placed where a document
+starts (after the tokenizer's document-start token, whose KV is computed once and shared):
+alone at position 0, SmolLM2-135M predicts '-' after 49,093 of its 49,152 tokens (the first
+position acts as an attention sink), and the bigram's top-1 covers 0.2% of its own greedy
+HumanEval tokens instead of 11%. We also keep and the *extended* bigram: each of
 the top-k first tokens continued greedily through the bigram to ``w`` tokens. Optionally the
 unigram ranking from the embeddings (paper §4.1: ``p(x) ∝ exp(-d(x))``, ``d`` the distance of
 the output embedding from the mean under the input embeddings' Gram matrix).
@@ -140,17 +144,32 @@ def _map(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
+def document_start_prefix(tokenizer: Any) -> list[int]:
+    """What precedes a document's first token in training: the BOS the tokenizer adds, else
+    its end-of-text token, else its EOS (empty when it has none)."""
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("x").input_ids[:1] == [bos]:
+        return [bos]
+    end_of_text = tokenizer.get_vocab().get("<|endoftext|>")
+    if end_of_text is not None:
+        return [end_of_text]
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+
 def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25, w: int = 14,
                       unigram: bool = True, batch_size: int = 1024, replace: bool = False,
-                      progress: bool = True) -> Path:
-    """Run the model over every token as a one-token input and write the tables."""
+                      prefix: Sequence[int] | None = None, progress: bool = True) -> Path:
+    """Run the model over every token (after ``prefix``, by default the document start) and
+    write the tables."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     identity = ModelIdentity.of(model_dir)
     start = time.perf_counter()
+    if prefix is None:
+        prefix = document_start_prefix(AutoTokenizer.from_pretrained(str(model_dir)))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress)
+    top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress, prefix)
     extended = extend_bigram(top_tokens, w)
     ranking = unigram_ranking(model) if unigram else None
     out_dir = Path(out_dir)
@@ -168,6 +187,7 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
             "k": k,
             "w": w,
             "unigram": ranking is not None,
+            "prefix": list(prefix),
             "files": {name: sha256_of_file(tmp / name) for name in files},
             "build": {"model_dir": str(model_dir), "batch_size": batch_size, "package_version": __version__,
                       "seconds": round(time.perf_counter() - start, 2),
@@ -178,8 +198,11 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
 
 
 def bigram_top_k(model: Any, token_ids: Sequence[int], k: int, batch_size: int = 1024,
-                 progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k of ``p(. | x)`` for each token ``x`` given alone: ``[len, k]`` ids and probabilities."""
+                 progress: bool = False, prefix: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of ``p(. | prefix + [x])`` for each token ``x``: ``[len, k]`` ids and probabilities.
+    The prefix's KV cache is computed once and repeated over each batch."""
+    import copy
+
     import torch
 
     token_ids = list(token_ids)
@@ -187,9 +210,15 @@ def bigram_top_k(model: Any, token_ids: Sequence[int], k: int, batch_size: int =
     top_probs = np.empty((len(token_ids), k), dtype=np.float32)
     batches = range(0, len(token_ids), batch_size)
     with torch.inference_mode():
+        prefix_cache = (model(input_ids=torch.tensor([list(prefix)]), use_cache=True).past_key_values
+                        if prefix else None)
         for first in tqdm(batches, desc="bigram", unit="batch", disable=not progress):
             ids = torch.tensor(token_ids[first:first + batch_size]).unsqueeze(1)
-            probs = torch.softmax(model(input_ids=ids).logits[:, -1, :].float(), dim=-1)
+            cache = None
+            if prefix_cache is not None:
+                cache = copy.deepcopy(prefix_cache)
+                cache.batch_repeat_interleave(len(ids))
+            probs = torch.softmax(model(input_ids=ids, past_key_values=cache).logits[:, -1, :].float(), dim=-1)
             values, indices = torch.topk(probs, k, dim=-1, sorted=True)
             top_tokens[first:first + len(ids)] = indices.numpy()
             top_probs[first:first + len(ids)] = values.numpy()
