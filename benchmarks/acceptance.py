@@ -8,7 +8,7 @@ no speculation, and how many prompts' token ids differ from no speculation (must
     python benchmarks/acceptance.py --prompts 40 --max-tokens 128 --form raw
     python benchmarks/acceptance.py --configs none prompt_lookup_k8 ngram_k8 --form both
 
-Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>.json.
+Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_<tag>].json.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help=f"from {', '.join(CONFIGS)}")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
 
     model = ensure_smollm2_checkpoint()
@@ -146,7 +147,8 @@ def main() -> None:
         report.update(max_tokens=args.max_tokens, concurrency=args.concurrency,
                       model="SmolLM2-135M-Instruct (float32)", machine=platform.machine(),
                       processor_count=__import__("os").cpu_count(), date=time.strftime("%Y-%m-%d %H:%M"))
-        out = RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}.json"
+        tag = f"_{args.tag}" if args.tag else ""
+        out = RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}{tag}.json"
         out.write_text(json.dumps(report, indent=2) + "\n")
         print_table(report)
         print(f"written: {out}")
