@@ -52,6 +52,10 @@ CONFIGS: dict[str, dict] = {
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
     "ngrammys_k8": _ours("NGramProposer", 8),
+    # Tree verification: the node budget is num_speculative_tokens.
+    **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},
+    **{f"ngrammys_tree_k{k}": _ours("NGramProposer", k, tree=True) for k in (8, 16, 32, 64)},
+    "rest_k16": _ours("RestProposer", 16),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

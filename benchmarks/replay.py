@@ -86,14 +86,17 @@ def prompt_lookup_drafter(k: int, q_max: int):
     return draft
 
 
-def ngrammys_drafter(table, k: int, w: int, q: int, tree: bool):
+def ngrammys_drafter(table, k: int, w: int, q: int, tree: bool, nodes: int = 0):
+    """N-Grammys drafts; trees cut to ``nodes`` (0: uncut) as the engine's node budget does."""
+
     def draft(matrix, lengths):
         import numpy as np
 
         drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
                               k=k, w=w, q=q, mixing="context-first")
         if tree:
-            return [drafts.tree(i) for i in range(len(lengths))]
+            cut = nodes or None
+            return [tuple(part[:cut] for part in drafts.tree(i)) for i in range(len(lengths))]
         return [chain_as_tree(drafts.chain(i)) for i in range(len(lengths))]
 
     return draft
@@ -115,18 +118,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=164)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8, help="chain length (num_speculative_tokens)")
-    parser.add_argument("--tree-nodes", type=int, default=64, help="node budget of tree variants")
+    parser.add_argument("--tree-nodes", type=int, nargs="+", default=[64], help="node budgets of tree variants")
     parser.add_argument("--datastore", default="python-code", help="directory or recipe name")
     parser.add_argument("--grid", nargs="*", default=[], help="RestParams axes, e.g. context_weight=1,4")
     parser.add_argument("--sources", nargs="+", default=["both", "datastore", "context"],
                         choices=["both", "datastore", "context"], help="REST sources to score")
     parser.add_argument("--shapes", nargs="+", default=["chain", "tree"], choices=["chain", "tree"])
     parser.add_argument("--ngrammys", action="store_true", help="also score N-Grammys (needs its table)")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
 
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(args.datastore, model)
-    base = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k, top_k=args.tree_nodes)
+    base = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k)
     variants = {f"prompt_lookup_k{args.k}": prompt_lookup_drafter(args.k, 4)}
     for overrides in parse_grid(args.grid):
         label = ",".join(f"{k}={v}" for k, v in overrides.items())
@@ -137,8 +141,9 @@ def main() -> None:
             suffix = f" [{label}]" if label else ""
             if "chain" in args.shapes:
                 variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
-            if "tree" in args.shapes:
-                variants[f"rest_{name}_tree{args.tree_nodes}{suffix}"] = rest_drafter(store, p, tree=True)
+            for nodes in args.tree_nodes if "tree" in args.shapes else ():
+                variants[f"rest_{name}_tree{nodes}{suffix}"] = rest_drafter(
+                    store, dataclasses.replace(p, top_k=nodes), tree=True)
 
     if args.ngrammys:
         identity = ModelIdentity.of(model)
@@ -146,9 +151,10 @@ def main() -> None:
         options = RetrievalSpecOptions()
         if "chain" in args.shapes:
             variants["ngrammys_chain"] = ngrammys_drafter(table, options.k, args.k, options.q, tree=False)
-        if "tree" in args.shapes:
-            label = f"ngrammys_tree_k{options.k}_w{args.k}"
-            variants[label] = ngrammys_drafter(table, options.k, args.k, options.q, tree=True)
+        for nodes in args.tree_nodes if "tree" in args.shapes else ():
+            w = min(options.w, nodes)
+            variants[f"ngrammys_tree{nodes}_k{options.k}_w{w}"] = ngrammys_drafter(
+                table, options.k, w, options.q, tree=True, nodes=nodes)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):
@@ -165,7 +171,7 @@ def main() -> None:
         print(f"{'variant':58s} {'honest':>7s} {'drafted/step':>13s}")
         for row in rows:
             print(f"{row['variant']:58s} {row['honest_tokens_per_step']:7.3f} {row['draft_tokens_per_step']:13.2f}")
-        out = RESULTS / f"replay_{form}_n{len(traces)}_t{args.max_tokens}.json"
+        out = RESULTS / f"replay_{form}_n{len(traces)}_t{args.max_tokens}{'_' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps({"form": form, "prompts": len(traces), "max_tokens": args.max_tokens,
                                    "k": args.k, "datastore": str(store.path),
                                    "datastore_tokens": store.manifest.num_tokens,

@@ -60,15 +60,17 @@ def test_mixing_policies():
     assert only_bigram.tokens[0].tolist() == [[6, 7], [7, 8], [8, 9]]
 
 
-def test_drafts_merge_into_a_parents_first_tree():
+def test_drafts_merge_into_a_parents_first_tree_in_draft_order():
     drafts = NgramDrafts(
         tokens=np.array([[[1, 2, 3], [1, 2, 4], [5, 6, -1]]], dtype=np.int32),
         lengths=np.array([[3, 3, 2]], dtype=np.int32),
         from_context=np.array([3], dtype=np.int32),
     )
     tokens, parents = drafts.tree(0)
-    assert tokens == [1, 5, 2, 6, 3, 4]
-    assert parents == [-1, -1, 0, 1, 2, 2]
+    assert tokens == [1, 2, 3, 4, 5, 6]
+    assert parents == [-1, 0, 1, 1, -1, 4]
+    # a node budget keeps the best drafts whole: the first 3 nodes are draft 0
+    assert (tokens[:3], parents[:3]) == ([1, 2, 3], [-1, 0, 1])
 
 
 def test_table_rows_are_the_models_own_bigram_and_deterministic(model_dir, ngram_table_dir):

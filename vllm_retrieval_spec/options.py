@@ -108,7 +108,9 @@ class RetrievalSpecOptions:
     cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
     top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
     tree: bool = _option(
-        False, _bool, "REST, N-Grammys: also build draft trees every step (kept for tree verification)"
+        False, _bool,
+        "REST, N-Grammys: draft trees of up to num_speculative_tokens nodes, verified as trees "
+        "in one target step (CPU build)",
     )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"

@@ -9,9 +9,12 @@ with a clear message (:func:`require_supported_vllm`).
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.metadata
 import logging
 import re
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ def apply_patches() -> None:
         )
         return
     _tolerate_modules_without_dict_in_kernel_rebinding()
+    _patch_tree_verification()
 
 
 def _tolerate_modules_without_dict_in_kernel_rebinding() -> None:
@@ -104,3 +108,101 @@ def patch_distribution_version_lookup() -> None:
 
     importlib.metadata.version = version
     setattr(importlib.metadata, _PATCHED_FLAG, True)
+
+
+# --- Tree verification (vllm-integration.md §8) -------------------------------------------
+# Active only in runners whose proposer has ``retrieval_spec.tree`` on; every hook below is a
+# pass-through otherwise, so chain mode runs vLLM's own code.
+
+_TREE_FLAG = "_vrs_tree_mode"
+
+
+def tree_mode_enabled(vllm_config: Any) -> bool:
+    """True when one of our proposers runs with ``retrieval_spec.tree``."""
+    from vllm_retrieval_spec.options import RetrievalSpecOptions
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not str(getattr(spec, "model", "") or "").startswith("vllm_retrieval_spec."):
+        return False
+    return RetrievalSpecOptions.from_additional_config(vllm_config.additional_config).tree
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED_FLAG, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _PATCHED_FLAG, True)
+    setattr(owner, name, wrapper)
+
+
+def _patch_tree_verification() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap(GPUModelRunner, "__init__", _runner_init)
+    _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs)
+    _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
+    _wrap(CPUAttentionBackendImpl, "forward", _cpu_attention_forward)
+    _wrap(InputProcessor, "_validate_params", _input_processor_validate_params)
+
+
+def _runner_init(original: Callable) -> Callable:
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        original(self, vllm_config, device, *args, **kwargs)
+        enabled = tree_mode_enabled(vllm_config)
+        setattr(self, _TREE_FLAG, enabled)
+        if enabled:
+            from vllm_retrieval_spec.verification import runner_hooks
+
+            runner_hooks.install(self)
+
+    return __init__
+
+
+def _runner_prepare_inputs(original: Callable) -> Callable:
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        if getattr(self, _TREE_FLAG, False):
+            from vllm_retrieval_spec.verification import runner_hooks
+
+            runner_hooks.plan_tree_step(self, scheduler_output)
+        return result
+
+    return _prepare_inputs
+
+
+def _runner_propose_draft_token_ids(original: Callable) -> Callable:
+    def propose_draft_token_ids(self, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None and hasattr(drafter, "step_req_ids"):
+            drafter.step_req_ids = list(self.input_batch.req_ids)
+        return original(self, *args, **kwargs)
+
+    return propose_draft_token_ids
+
+
+def _cpu_attention_forward(original: Callable) -> Callable:
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        from vllm_retrieval_spec.verification import runner_hooks
+
+        plan = runner_hooks.ACTIVE_PLAN
+        if plan is not None and attn_metadata is not None:
+            runner_hooks.tree_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
+        return result
+
+    return forward
+
+
+def _input_processor_validate_params(original: Callable) -> Callable:
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        if tree_mode_enabled(self.vllm_config):
+            from vllm_retrieval_spec.verification.runner_hooks import refuse_chain_only_features
+
+            refuse_chain_only_features(params)
+        return result
+
+    return _validate_params

@@ -25,21 +25,21 @@ class NgramDrafts:
         return self.tokens[row, 0, : self.lengths[row, 0]].tolist()
 
     def tree(self, row: int) -> tuple[list[int], list[int]]:
-        """The k drafts as one tree (shared prefixes merged), breadth-first, parents first."""
+        """The k drafts as one tree (shared prefixes merged), parents first, in draft order:
+        a node budget that cuts the list keeps the best drafts whole."""
         children: dict[tuple[int, int], int] = {}
-        nodes: list[tuple[int, int, int]] = []  # (depth, parent, token) in creation order
+        tokens: list[int] = []
+        parents: list[int] = []
         for slot in range(self.tokens.shape[1]):
             parent = -1
-            for depth, token in enumerate(self.tokens[row, slot, : self.lengths[row, slot]].tolist()):
+            for token in self.tokens[row, slot, : self.lengths[row, slot]].tolist():
                 key = (parent, token)
                 if key not in children:
-                    children[key] = len(nodes)
-                    nodes.append((depth, parent, token))
+                    children[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
                 parent = children[key]
-        order = sorted(range(len(nodes)), key=lambda n: (nodes[n][0], n))
-        position = {node: index for index, node in enumerate(order)}
-        return ([nodes[n][2] for n in order],
-                [-1 if nodes[n][1] < 0 else position[nodes[n][1]] for n in order])
+        return tokens, parents
 
 
 def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,

@@ -19,6 +19,7 @@ from vllm.logger import init_logger
 
 from vllm_retrieval_spec.integration.vllm_patches import require_supported_vllm
 from vllm_retrieval_spec.options import RetrievalSpecOptions
+from vllm_retrieval_spec.verification.trees import REGISTRY, DraftTree
 
 logger = init_logger(__name__)
 
@@ -68,6 +69,9 @@ class DraftProposer(abc.ABC):
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.options = RetrievalSpecOptions.from_additional_config(vllm_config.additional_config)
         self.stats = ProposerStats()
+        # Request ids of the input-batch rows, set by the runner hook before each ``propose``
+        # (tree mode keys its trees by request id).
+        self.step_req_ids: list[str] | None = None
 
     def load_model(self, target_model: Any) -> None:
         """Called once with the loaded target model; retrieval proposers need nothing from it."""
@@ -75,6 +79,10 @@ class DraftProposer(abc.ABC):
     @abc.abstractmethod
     def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
         """One draft chain per requested row (longer chains are cut to the row's budget)."""
+
+    def draft_trees(self, batch: DraftBatch) -> Sequence[DraftTree]:
+        """One draft tree per requested row, parents first (tree mode); chains by default."""
+        return [DraftTree.chain(chain) for chain in self.draft(batch)]
 
     def propose(
         self,
@@ -92,15 +100,23 @@ class DraftProposer(abc.ABC):
         if len(batch) == 0:
             return drafts
         try:
-            proposed = self.draft(batch)
+            proposed = self.draft_trees(batch) if self.options.tree else [
+                DraftTree.chain(chain) for chain in self.draft(batch)]
         except Exception as error:  # a drafting bug must never take the server down
             self._record_failure(error)
+            REGISTRY.publish({})
             return drafts
-        for row, budget, chain in zip(batch.rows.tolist(), batch.budgets.tolist(), proposed):
-            drafts[row] = [int(token) for token in chain[:budget]]
+        trees = {}
+        for row, budget, tree in zip(batch.rows.tolist(), batch.budgets.tolist(), proposed):
+            tree = tree.truncated(budget)
+            drafts[row] = [int(token) for token in tree.tokens]
             if drafts[row]:
                 self.stats.drafted_rows += 1
                 self.stats.draft_tokens += len(drafts[row])
+                if self.step_req_ids is not None:
+                    trees[self.step_req_ids[row]] = tree
+        if self.options.tree:
+            REGISTRY.publish(trees)
         return drafts
 
     def _rows_needing_drafts(

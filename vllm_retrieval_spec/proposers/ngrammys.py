@@ -9,13 +9,14 @@ from typing import Any
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, NgramTableError, default_table_dir
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
+from vllm_retrieval_spec.verification.trees import DraftTree
 
 
 class NGramProposer(DraftProposer):
     """Fills ``k`` drafts of length ``w`` by the paper's mixed strategy and drafts the best one
     as a chain (the most frequent context n-gram, else the bigram's top-1 continuation).
-    With the ``tree`` option the k drafts of the last step are also kept as trees
-    (:meth:`last_trees`) for tree verification."""
+    With the ``tree`` option it drafts the k drafts merged into one tree (breadth-first, cut
+    to ``num_speculative_tokens`` nodes) for tree verification."""
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
@@ -29,18 +30,19 @@ class NGramProposer(DraftProposer):
         self.table = NgramTable.open(table_dir, expected_model=identity)
         self.last_drafts: NgramDrafts | None = None
 
-    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
+    def _mixed_drafts(self, batch: DraftBatch) -> NgramDrafts:
         options = self.options
-        drafts = mixed_drafts(
+        self.last_drafts = mixed_drafts(
             self.table, batch.token_ids, batch.num_tokens, batch.rows,
             k=options.k, w=min(options.w, self.num_speculative_tokens), q=options.q,
             mixing=options.mixing, num_threads=options.num_threads,
         )
-        if options.tree:
-            self.last_drafts = drafts
+        return self.last_drafts
+
+    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
+        drafts = self._mixed_drafts(batch)
         return [drafts.chain(index) for index in range(len(batch))]
 
-    def last_trees(self) -> list[tuple[list[int], list[int]]]:
-        """The last step's k drafts per requested row, merged into parents-first trees."""
-        drafts = self.last_drafts
-        return [] if drafts is None else [drafts.tree(row) for row in range(len(drafts.tokens))]
+    def draft_trees(self, batch: DraftBatch) -> Sequence[DraftTree]:
+        drafts = self._mixed_drafts(batch)
+        return [DraftTree(*map(tuple, drafts.tree(index))) for index in range(len(batch))]

@@ -8,13 +8,14 @@ from typing import Any
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
 from vllm_retrieval_spec.kernels.rest import RestDrafts, RestParams, rest_retrieve
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
+from vllm_retrieval_spec.verification.trees import DraftTree
 
 
 class RestProposer(DraftProposer):
     """Drafts the heaviest chain of a trie merging datastore and in-context continuations of
     the longest matching suffix (REST, extended with the context source). With the ``tree``
-    option the top-``top_k`` draft trees of the last step stay in :attr:`last_drafts` for
-    tree verification."""
+    option it drafts the heaviest subtree instead (at most ``top_k`` and
+    ``num_speculative_tokens`` nodes) for tree verification."""
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
@@ -25,13 +26,23 @@ class RestProposer(DraftProposer):
                 options.datastore, vllm_config.model_config.tokenizer
             )
             self.datastore.prefetch()
-        self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens)
+        budget = self.num_speculative_tokens
+        self.params = RestParams.from_options(options, chain_len=budget)
+        if options.tree:
+            self.params = RestParams.from_options(options, chain_len=budget, top_k=min(options.top_k, budget))
         self.last_drafts: RestDrafts | None = None
 
-    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
-        drafts = rest_retrieve(
+    def _retrieve(self, batch: DraftBatch) -> RestDrafts:
+        self.last_drafts = rest_retrieve(
             self.datastore, batch.token_ids, batch.num_tokens, batch.rows, self.params,
             num_threads=self.options.num_threads,
         )
-        self.last_drafts = drafts
+        return self.last_drafts
+
+    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
+        drafts = self._retrieve(batch)
         return [drafts.chain(index) for index in range(len(batch))]
+
+    def draft_trees(self, batch: DraftBatch) -> Sequence[DraftTree]:
+        drafts = self._retrieve(batch)
+        return [DraftTree(*map(tuple, drafts.tree(index))) for index in range(len(batch))]

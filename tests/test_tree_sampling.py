@@ -1,0 +1,115 @@
+"""The sampled acceptance rules are lossless: emitted tokens follow the target distribution.
+
+Each test verifies 20000 independent trials (one request each, its own seed) of a two-level
+tree in one batched kernel call and applies a chi-squared test with fixed seeds and a p-value
+floor of 1e-6, so the tests are deterministic and never flake.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees
+
+TRIALS = 20000
+# Unnormalised on purpose; token 8 is impossible under the target but not under the drafts.
+P_ROOT = 3.7 * np.array([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02, 0.0])
+P_CHILD = 0.5 * np.array([0.10, 0.40, 0.05, 0.05, 0.20, 0.10, 0.05, 0.05, 0.0])
+Q_ROOT = 2.0 * np.array([0.05, 0.25, 0.10, 0.20, 0.05, 0.15, 0.10, 0.05, 0.05])
+Q_CHILD = np.array([0.30, 0.10, 0.10, 0.10, 0.10, 0.10, 0.05, 0.05, 0.10])
+# Per trial: root -> children 0, 1, 2; child 0 -> grandchildren 3, 4.
+PARENTS = [-1, -1, -1, 0, 0]
+FIXED_TOKENS = [1, 3, 8, 4, 1]  # rule 1: deterministic candidates (8 has no target mass)
+
+
+def chi2_sf(statistic: float, dof: int) -> float:
+    """Upper tail of the chi-squared distribution (series of the regularised gamma P)."""
+    a, x = dof / 2, statistic / 2
+    if x > 500:  # far in the tail (dof here is < 10); the series would overflow
+        return 0.0
+    term = total = 1.0 / a
+    for n in range(1, 10000):
+        term *= x / (a + n)
+        total += term
+        if term < total * 1e-17:
+            break
+    return 1.0 - math.exp(a * math.log(x) - x - math.lgamma(a)) * total if x > 0 else 1.0
+
+
+def chi2_pvalue(samples: np.ndarray, weights: np.ndarray) -> float:
+    """p-value of samples against the normalised weights; impossible tokens must not occur."""
+    counts = np.bincount(samples, minlength=len(weights))
+    assert len(counts) == len(weights) and (counts[weights == 0] == 0).all(), counts
+    possible = weights > 0
+    expected = len(samples) * weights[possible] / weights.sum()
+    statistic = float(((counts[possible] - expected) ** 2 / expected).sum())
+    return chi2_sf(statistic, int(possible.sum()) - 1)
+
+
+def draft_tokens(rule: AcceptRule, rng: np.random.Generator) -> np.ndarray:
+    """Candidate tokens of every trial: fixed (rule 1) or drawn from q with (rule 2, so
+    duplicates occur) or without (rule 3, Gumbel top-k) replacement."""
+    if rule == AcceptRule.CANDIDATES:
+        return np.tile(np.array(FIXED_TOKENS, np.int32), TRIALS)
+    draws = []
+    for q, count in ((Q_ROOT, 3), (Q_CHILD, 2)):
+        q = q / q.sum()
+        if rule == AcceptRule.MCSS:
+            draws.append(rng.choice(len(q), (TRIALS, count), p=q))
+        else:
+            keys = np.log(q) + rng.gumbel(size=(TRIALS, len(q)))
+            draws.append(np.argsort(-keys, axis=1)[:, :count])
+    return np.concatenate(draws, axis=1).astype(np.int32).reshape(-1)
+
+
+def run_trials(rule: AcceptRule, seed: int, verify_as: AcceptRule | None = None):
+    """Trials with rule's candidates, verified with rule (or verify_as)."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([P_ROOT, P_CHILD, P_CHILD, P_CHILD, P_ROOT, P_ROOT]).astype(np.float32)
+    drafts = np.stack([Q_ROOT, Q_CHILD, Q_CHILD, Q_CHILD, Q_CHILD, Q_CHILD]).astype(np.float32)
+    size = len(PARENTS)
+    return accept_trees(
+        scores=np.tile(rows, (TRIALS, 1)),
+        tokens=draft_tokens(rule, rng),
+        parents=np.tile(np.array(PARENTS, np.int32), TRIALS),
+        offsets=np.arange(0, size * TRIALS + 1, size, dtype=np.int32),
+        rules=np.full(TRIALS, int(rule if verify_as is None else verify_as), np.int32),
+        seeds=rng.integers(0, 2**63, TRIALS, dtype=np.uint64),
+        draft_probs=np.tile(drafts, (TRIALS, 1)),
+    )
+
+
+SAMPLED_RULES = [AcceptRule.CANDIDATES, AcceptRule.MCSS, AcceptRule.MCSS_NO_REPLACEMENT]
+
+
+def test_chi2_helper_matches_known_quantiles():
+    assert chi2_sf(14.067, 7) == pytest.approx(0.05, abs=1e-4)
+    assert chi2_sf(18.475, 7) == pytest.approx(0.01, abs=1e-4)
+    assert chi2_sf(2.0, 2) == pytest.approx(math.exp(-1.0), rel=1e-9)
+
+
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_first_token_follows_the_target(rule):
+    out = run_trials(rule, seed=int(rule))
+    assert (out.out_tokens[:, 0] >= 0).all()
+    assert chi2_pvalue(out.out_tokens[:, 0], P_ROOT) > 1e-6
+    assert 0.2 < (out.num_accepted > 0).mean() < 1.0  # both branches are exercised
+
+
+@pytest.mark.parametrize("rule", SAMPLED_RULES)
+def test_second_token_follows_the_child_row(rule):
+    out = run_trials(rule, seed=10 + int(rule))
+    second = out.out_tokens[out.num_accepted >= 1, 1]
+    assert len(second) > TRIALS // 5
+    assert chi2_pvalue(second, P_CHILD) > 1e-6
+    assert (out.num_accepted == 2).any()  # grandchildren get accepted too
+
+
+def test_power_the_wrong_rule_is_caught():
+    """Verifying without-replacement drafts as if drawn with replacement is biased, and the
+    chi-squared test sees it."""
+    out = run_trials(AcceptRule.MCSS_NO_REPLACEMENT, seed=1, verify_as=AcceptRule.MCSS)
+    assert chi2_pvalue(out.out_tokens[:, 0], P_ROOT) < 1e-9

@@ -1,0 +1,503 @@
+"""Tree speculative verification: packing (tree attention masks) and acceptance.
+
+A batch of ragged draft trees is flat (int32): request ``b`` owns nodes
+``offsets[b]:offsets[b + 1]``; ``parents[i]`` is node ``i``'s parent as a local index within its
+own tree (-1: a child of the root, i.e. of the context's last token), parents before children;
+``tokens[i]`` is the node's draft token. Score rows are per request, ``N + B`` in all: request
+``b``'s rows start at ``tree_row_offsets(offsets)[b] = offsets[b] + b``, its row 0 being the
+target after the context and row ``j + 1`` the target after local node ``j``.
+
+Each kernel runs in C++ (NumPy arrays, CPU threads) or CUDA (torch CUDA tensors) and has a plain
+NumPy reference here that it matches exactly: the acceptance rules, the draw order, the
+counter-based uniforms and the canonical sums are specified in ``csrc/tree_accept.h`` and
+``csrc/rng.h`` and mirrored below.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_retrieval_spec.kernels.extension import load_extension
+
+TILE_WIDTH = 32  # canonical sums: tiles of 32 values ...
+SEGMENTS = 32  # ... in 32 contiguous segments per row
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class AcceptRule(enum.IntEnum):
+    """How a request's tree is verified (``rules[b]``); see ``csrc/tree_accept.h``."""
+
+    GREEDY = 0  # scores are logits; follow the argmax
+    CANDIDATES = 1  # deterministic candidates (retrieval drafts), scores are probabilities
+    MCSS = 2  # multi-candidate speculative sampling, candidates drawn with replacement from q
+    MCSS_NO_REPLACEMENT = 3  # ... drawn without replacement
+
+
+@dataclass
+class TreeMasks:
+    """``depth`` ``[N]`` int32 (1 for children of the root) and ``ancestor_mask``
+    ``[N, words]`` uint64: bit ``j`` of row ``i`` (word ``j // 64``, bit ``j % 64``) is set iff
+    local node ``j`` is node ``i`` or one of its ancestors."""
+
+    depth: Any
+    ancestor_mask: Any
+
+
+@dataclass
+class TreeAcceptance:
+    """Per request: ``out_tokens`` ``[B, width]`` (the accepted path's tokens, then the emitted
+    token, -1 padded), ``path_nodes`` ``[B, width - 1]`` (local indices of the accepted nodes,
+    -1 padded) and ``num_accepted`` ``[B]``. NumPy on the CPU, torch tensors for CUDA inputs."""
+
+    out_tokens: Any
+    path_nodes: Any
+    num_accepted: Any
+
+    def tokens(self, index: int) -> list[int]:
+        """Accepted tokens plus the emitted one for request ``index``."""
+        return [int(t) for t in self.out_tokens[index, : int(self.num_accepted[index]) + 1]]
+
+
+def mask_words(max_nodes: int) -> int:
+    """uint64 words per ancestor-mask row for trees of up to ``max_nodes`` nodes."""
+    return max(1, -(-max_nodes // 64))
+
+
+def tree_row_offsets(offsets: Any) -> Any:
+    """First score row of each request: ``offsets[b] + b``."""
+    if _is_cuda_tensor(offsets):
+        import torch
+
+        return offsets[:-1] + torch.arange(len(offsets) - 1, device=offsets.device, dtype=offsets.dtype)
+    offsets = np.asarray(offsets, dtype=np.int32)
+    return offsets[:-1] + np.arange(len(offsets) - 1, dtype=np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+def pack_tree_masks(
+    parents: Any, offsets: Any, max_nodes: int, *, validate: bool = True, num_threads: int = 0
+) -> TreeMasks:
+    """Depth and ancestor mask of every node (CUDA kernel for CUDA tensors, else CPU threads).
+
+    ``max_nodes`` (at least the largest tree) sets the mask width, ``mask_words(max_nodes)``.
+    ``validate`` checks the trees first (on the host: a device sync for CUDA tensors).
+    """
+    if validate:
+        _check_trees(_host(parents), _host(offsets), max_nodes)
+    return _pack(parents, offsets, mask_words(max_nodes), num_threads)
+
+
+def tree_depths(parents: Any, offsets: Any, *, validate: bool = True, num_threads: int = 0) -> Any:
+    """Depth of every node (1 for children of the root), as in :func:`pack_tree_masks`."""
+    if validate:
+        _check_trees(_host(parents), _host(offsets))
+    return _pack(parents, offsets, None, num_threads).depth
+
+
+def accept_trees(
+    scores: Any,
+    tokens: Any,
+    parents: Any,
+    offsets: Any,
+    rules: Any,
+    seeds: Any,
+    draft_probs: Any = None,
+    *,
+    out_width: int | None = None,
+    validate: bool = True,
+    num_threads: int = 0,
+) -> TreeAcceptance:
+    """Verify a batch of draft trees (CUDA kernel when ``scores`` is a CUDA tensor).
+
+    ``scores`` ``[N + B, V]`` float32: logits for greedy requests (no NaN), probabilities
+    (after temperature/top-k/top-p, unnormalised is fine) for sampled ones; an all-zero row
+    emits -1. ``rules`` ``[B]``
+    (:class:`AcceptRule`), ``seeds`` ``[B]`` uint64 (each request draws from
+    ``uniform(seed, 0), uniform(seed, 1), ...``), ``draft_probs`` ``[N + B, V]`` float32 (row
+    of the node the candidates were drawn from) is needed by the MCSS rules. ``out_width``
+    defaults to the deepest tree + 1; smaller widths cut the trees at depth ``out_width - 1``
+    (still lossless). For CUDA, ``validate`` and the default width cost a device sync; CUDA
+    workspaces are ``[B, V]`` float64 (rules 1-3) and float32 (rule 3).
+    """
+    if _is_cuda_tensor(scores):
+        return _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs,
+                            out_width, validate)
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    draft = None if draft_probs is None else np.ascontiguousarray(draft_probs, dtype=np.float32)
+    tokens, parents, offsets, rules = (np.ascontiguousarray(a, dtype=np.int32)
+                                       for a in (tokens, parents, offsets, rules))
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
+    if validate:
+        _check_accept(scores.shape, tokens, parents, offsets, rules, seeds,
+                      None if draft is None else draft.shape, out_width)
+    width = out_width if out_width is not None else _max_depth(parents, offsets, num_threads) + 1
+    batch = len(offsets) - 1
+    out = TreeAcceptance(
+        out_tokens=np.empty((batch, width), dtype=np.int32),
+        path_nodes=np.empty((batch, width - 1), dtype=np.int32),
+        num_accepted=np.empty(batch, dtype=np.int32),
+    )
+    load_extension().accept_trees(scores, draft, tokens, parents, offsets, rules, seeds,
+                                  out.out_tokens, out.path_nodes, out.num_accepted, num_threads)
+    return out
+
+
+def _pack(parents: Any, offsets: Any, words: int | None, num_threads: int) -> TreeMasks:
+    ext = load_extension()
+    if _is_cuda_tensor(parents):
+        torch = _cuda_torch(ext)
+        device = parents.device
+        parents, offsets = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
+                            for a in (parents, offsets))
+        depth = torch.empty(len(parents), dtype=torch.int32, device=device)
+        mask = None if words is None else torch.empty((len(parents), words), dtype=torch.uint64,
+                                                      device=device)
+        ext.pack_tree_masks(parents, offsets, depth, mask, torch.cuda.current_stream(device).cuda_stream)
+        return TreeMasks(depth, mask)
+    parents, offsets = (np.ascontiguousarray(a, dtype=np.int32) for a in (parents, offsets))
+    depth = np.empty(len(parents), dtype=np.int32)
+    mask = None if words is None else np.empty((len(parents), words), dtype=np.uint64)
+    ext.pack_tree_masks(parents, offsets, depth, mask, num_threads)
+    return TreeMasks(depth, mask)
+
+
+def _max_depth(parents: Any, offsets: Any, num_threads: int = 0) -> int:
+    depth = _pack(parents, offsets, None, num_threads).depth
+    return int(depth.max()) if len(depth) else 0
+
+
+def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, out_width, validate):
+    ext = load_extension()
+    torch = _cuda_torch(ext)
+    device = scores.device
+    # Rules known on the host size the workspaces; without them assume every rule occurs.
+    host_rules = _host(rules) if validate or not _is_cuda_tensor(rules) else None
+    scores = scores.to(torch.float32).contiguous()
+    draft = None if draft_probs is None else draft_probs.to(device, torch.float32).contiguous()
+    tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
+                                       for a in (tokens, parents, offsets, rules))
+    seeds = _cuda_seeds(seeds, device)
+    if validate:
+        _check_accept(tuple(scores.shape), _host(tokens), _host(parents), _host(offsets),
+                      host_rules, _host(seeds),
+                      None if draft is None else tuple(draft.shape), out_width)
+    width = out_width if out_width is not None else _max_depth(parents, offsets) + 1
+    batch, vocab = len(offsets) - 1, scores.shape[1]
+    needs_p = host_rules is None or bool((host_rules != AcceptRule.GREEDY).any())
+    needs_q = draft is not None and (host_rules is None or
+                                     bool((host_rules == AcceptRule.MCSS_NO_REPLACEMENT).any()))
+    out = TreeAcceptance(
+        out_tokens=torch.empty((batch, width), dtype=torch.int32, device=device),
+        path_nodes=torch.empty((batch, width - 1), dtype=torch.int32, device=device),
+        num_accepted=torch.empty(batch, dtype=torch.int32, device=device),
+    )
+    p_work = torch.empty((batch, vocab), dtype=torch.float64, device=device) if needs_p else None
+    q_work = torch.empty((batch, vocab), dtype=torch.float32, device=device) if needs_q else None
+    ext.accept_trees(scores, draft, tokens, parents, offsets, rules, seeds, out.out_tokens,
+                     out.path_nodes, out.num_accepted, p_work, q_work,
+                     torch.cuda.current_stream(device).cuda_stream)
+    return out
+
+
+def _cuda_seeds(seeds: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(seeds, torch.Tensor) and seeds.dtype in (torch.int64, torch.uint64):
+        return seeds.to(device).view(torch.uint64).contiguous()
+    return torch.as_tensor(np.asarray(seeds, dtype=np.uint64)).to(device)
+
+
+def _cuda_torch(ext: Any) -> Any:
+    import torch
+
+    if "cuda" not in ext.backends():
+        raise RuntimeError(
+            "got CUDA tensors, but vllm_retrieval_spec._C was built without CUDA (nvcc was not "
+            "found at build time); reinstall with nvcc on PATH or pass CPU arrays"
+        )
+    return torch
+
+
+def _is_cuda_tensor(array: Any) -> bool:
+    return bool(getattr(array, "is_cuda", False))
+
+
+def _host(array: Any) -> np.ndarray:
+    if hasattr(array, "detach"):
+        return array.detach().cpu().numpy()
+    return np.asarray(array)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (host arrays)
+
+
+def _check_trees(parents: np.ndarray, offsets: np.ndarray, max_nodes: int | None = None) -> None:
+    if parents.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1:
+        raise ValueError("parents must be 1-D [N] and offsets 1-D [B + 1]")
+    if offsets[0] != 0:
+        raise ValueError(f"offsets[0] must be 0, got {offsets[0]}")
+    sizes = np.diff(offsets.astype(np.int64))
+    if (sizes < 0).any():
+        b = int(np.argmax(sizes < 0))
+        raise ValueError(f"offsets must not decrease: offsets[{b + 1}] = {offsets[b + 1]} < "
+                         f"offsets[{b}] = {offsets[b]}")
+    if offsets[-1] != len(parents):
+        raise ValueError(f"offsets[-1] = {offsets[-1]} must equal the number of nodes {len(parents)}")
+    local = np.arange(len(parents)) - np.repeat(offsets[:-1].astype(np.int64), sizes)
+    bad = np.flatnonzero((parents < -1) | (parents >= local))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"parents[{i}] = {parents[i]} must be -1 or a local index below the "
+                         f"node's own ({local[i]}): trees are parents-first")
+    if max_nodes is not None and max_nodes < int(sizes.max(initial=0)):
+        raise ValueError(f"max_nodes = {max_nodes} is below the largest tree ({sizes.max()} nodes)")
+
+
+def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
+                  offsets: np.ndarray, rules: np.ndarray, seeds: np.ndarray,
+                  draft_shape: tuple | None, out_width: int | None) -> None:
+    _check_trees(parents, offsets)
+    batch = len(offsets) - 1
+    if len(scores_shape) != 2 or scores_shape[0] != len(parents) + batch or scores_shape[1] < 1:
+        raise ValueError(f"scores must be [N + B, V] = [{len(parents) + batch}, V >= 1], got "
+                         f"{list(scores_shape)}")
+    vocab = scores_shape[1]
+    if tokens.shape != parents.shape:
+        raise ValueError(f"tokens must have one entry per node ({len(parents)}), got {tokens.shape}")
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+        raise ValueError(f"tokens[{bad[0]}] = {tokens[bad[0]]} is outside the vocabulary [0, {vocab})")
+    if rules.shape != (batch,) or seeds.shape != (batch,):
+        raise ValueError(f"rules and seeds must have one entry per request ({batch})")
+    bad = np.flatnonzero((rules < 0) | (rules > max(AcceptRule)))
+    if bad.size:
+        raise ValueError(f"rules[{bad[0]}] = {rules[bad[0]]} is not an AcceptRule (0-3)")
+    if draft_shape is None and (rules >= AcceptRule.MCSS).any():
+        raise ValueError("draft_probs is required by the MCSS rules (2 and 3)")
+    if draft_shape is not None and tuple(draft_shape) != tuple(scores_shape):
+        raise ValueError(f"draft_probs must have the shape of scores {list(scores_shape)}, got "
+                         f"{list(draft_shape)}")
+    if out_width is not None and out_width < 1:
+        raise ValueError(f"out_width must be >= 1, got {out_width}")
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy references
+
+
+def uniform(seed: int, counter: int) -> float:
+    """The counter-based uniform of ``csrc/rng.h``: a multiple of 2^-53 in [0, 1)."""
+    x = (seed ^ ((counter * _GOLDEN + 1) & _MASK64)) & _MASK64
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((x ^ (x >> 31)) >> 11) * 2.0**-53
+
+
+def _tiles(values: np.ndarray) -> np.ndarray:
+    """``values`` zero-padded to ``[SEGMENTS, tiles, TILE_WIDTH]``."""
+    length = TILE_WIDTH * -(-len(values) // (TILE_WIDTH * SEGMENTS))
+    padded = np.zeros(SEGMENTS * length)
+    padded[: len(values)] = values
+    return padded.reshape(SEGMENTS, length // TILE_WIDTH, TILE_WIDTH)
+
+
+def _hillis_steele(x: np.ndarray) -> np.ndarray:
+    """Inclusive scan over the last axis (32 wide) in Hillis-Steele order."""
+    for d in (1, 2, 4, 8, 16):
+        y = x.copy()
+        y[..., d:] = x[..., d:] + x[..., :-d]
+        x = y
+    return x
+
+
+def _segment_runs(tile_sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment: running sum before each tile (left to right from 0) and the segment sum."""
+    before = np.empty_like(tile_sums)
+    run = np.zeros(SEGMENTS)
+    for k in range(tile_sums.shape[1]):
+        before[:, k] = run
+        run = run + tile_sums[:, k]
+    return before, run
+
+
+def _segment_starts(segment_sums: np.ndarray) -> tuple[np.ndarray, float]:
+    scan = _hillis_steele(segment_sums)
+    starts = np.concatenate([[0.0], scan[:-1]])
+    return starts, starts[-1] + segment_sums[-1]
+
+
+def canonical_total(values: np.ndarray) -> float:
+    """The kernels' sum of a row (float64): pairwise tiles, sequential segments, scanned."""
+    x = _tiles(values)
+    for _ in range(5):  # pairwise tree over the 32 values of each tile
+        x = x[..., 0::2] + x[..., 1::2]
+    _, segment_sums = _segment_runs(x[..., 0])
+    return _segment_starts(segment_sums)[1]
+
+
+def canonical_sample(values: np.ndarray, u: float) -> int:
+    """Smallest ``i`` with ``cdf[i] > u * total`` (canonical cdf), else the last positive
+    value's index, else -1."""
+    x = _hillis_steele(_tiles(values))
+    before, segment_sums = _segment_runs(x[..., -1])
+    starts, total = _segment_starts(segment_sums)
+    cdf = (starts[:, None, None] + (before[:, :, None] + x)).reshape(-1)[: len(values)]
+    hits = np.flatnonzero(cdf > u * total)
+    if hits.size:
+        return int(hits[0])
+    positive = np.flatnonzero(values > 0)
+    return int(positive[-1]) if positive.size else -1
+
+
+def pack_tree_masks_reference(parents: Any, offsets: Any, max_nodes: int) -> TreeMasks:
+    """Plain NumPy :func:`pack_tree_masks`."""
+    parents = np.asarray(parents, dtype=np.int32)
+    offsets = np.asarray(offsets, dtype=np.int32)
+    depth = np.zeros(len(parents), dtype=np.int32)
+    mask = np.zeros((len(parents), mask_words(max_nodes)), dtype=np.uint64)
+    for b in range(len(offsets) - 1):
+        begin = int(offsets[b])
+        for i in range(begin, int(offsets[b + 1])):
+            local, parent = i - begin, int(parents[i])
+            if parent >= 0:
+                depth[i] = depth[begin + parent] + 1
+                mask[i] = mask[begin + parent]
+            else:
+                depth[i] = 1
+            mask[i, local // 64] |= np.uint64(1 << (local % 64))
+    return TreeMasks(depth, mask)
+
+
+def accept_trees_reference(
+    scores: Any,
+    tokens: Any,
+    parents: Any,
+    offsets: Any,
+    rules: Any,
+    seeds: Any,
+    draft_probs: Any = None,
+    *,
+    out_width: int | None = None,
+) -> TreeAcceptance:
+    """Plain NumPy (float64) :func:`accept_trees`: same rules, draws and sums."""
+    scores = np.asarray(scores, dtype=np.float32)
+    tokens, parents, offsets, rules = (np.asarray(a, dtype=np.int32)
+                                       for a in (tokens, parents, offsets, rules))
+    batch = len(offsets) - 1
+    if out_width is None:
+        largest = int(np.diff(offsets).max(initial=0))
+        out_width = int(pack_tree_masks_reference(parents, offsets, largest).depth.max(initial=0)) + 1
+    out = TreeAcceptance(
+        out_tokens=np.full((batch, out_width), -1, dtype=np.int32),
+        path_nodes=np.full((batch, out_width - 1), -1, dtype=np.int32),
+        num_accepted=np.zeros(batch, dtype=np.int32),
+    )
+    for b in range(batch):
+        begin, end = int(offsets[b]), int(offsets[b + 1])
+        tree = _RefTree(parents[begin:end].tolist(), tokens[begin:end].tolist(),
+                        int(begin) + b, out_width - 1)
+        path, emitted = _walk_reference(tree, scores, draft_probs, int(rules[b]), int(seeds[b]))
+        out.path_nodes[b, : len(path)] = path
+        out.out_tokens[b, : len(path)] = [tree.tokens[j] for j in path]
+        out.out_tokens[b, len(path)] = emitted
+        out.num_accepted[b] = len(path)
+    return out
+
+
+@dataclass
+class _RefTree:
+    parents: list[int]
+    tokens: list[int]
+    first_row: int
+    max_depth: int
+
+    def children(self, node: int, depth: int) -> list[int]:
+        if depth >= self.max_depth:
+            return []
+        return [j for j in range(node + 1, len(self.parents)) if self.parents[j] == node]
+
+
+def _walk_reference(tree: _RefTree, scores: np.ndarray, draft_probs: Any, rule: int,
+                    seed: int) -> tuple[list[int], int]:
+    counter = iter(range(1 << 62))
+
+    def draw() -> float:
+        return uniform(seed, next(counter))
+
+    path: list[int] = []
+    node = -1
+    while True:
+        row = tree.first_row + node + 1
+        p = scores[row].astype(np.float64)
+        children = tree.children(node, len(path))
+        candidates = [tree.tokens[c] for c in children]
+        if rule == AcceptRule.GREEDY:
+            emitted = int(np.argmax(scores[row]))
+            chosen = candidates.index(emitted) if emitted in candidates else None
+        elif not children:
+            chosen, emitted = None, canonical_sample(p, draw())
+        elif rule == AcceptRule.CANDIDATES:
+            chosen, emitted = _candidates_reference(p, candidates, draw)
+        else:
+            q = np.asarray(draft_probs[row], dtype=np.float32).astype(np.float64)
+            chosen, emitted = _mcss_reference(p, q, candidates,
+                                              rule == AcceptRule.MCSS_NO_REPLACEMENT, draw)
+        if chosen is None:
+            return path, emitted
+        node = children[chosen]
+        path.append(node)
+
+
+def _accept(u: float, num: float, den: float) -> bool:
+    return num > 0 and (num >= den or u < num / den)
+
+
+def _candidates_reference(p: np.ndarray, candidates: Sequence[int],
+                          draw: Callable[[], float]) -> tuple[int | None, int]:
+    rest = canonical_total(p)
+    zeroed: list[int] = []
+    for i, x in enumerate(candidates):
+        mass = 0.0 if x in zeroed else p[x]
+        if _accept(draw(), mass, rest):
+            return i, -1
+        rest = rest - mass
+        zeroed.append(x)
+    residual = p.copy()
+    residual[zeroed] = 0.0
+    u = draw()
+    return None, canonical_sample(residual if canonical_total(residual) > 0 else p, u)
+
+
+def _normalized(values: np.ndarray, total: float) -> np.ndarray:
+    return values / total if total > 0 else np.zeros_like(values)
+
+
+def _mcss_reference(p: np.ndarray, q: np.ndarray, candidates: Sequence[int],
+                    without_replacement: bool, draw: Callable[[], float]) -> tuple[int | None, int]:
+    p_total, q_total = canonical_total(p), canonical_total(q)
+    for i, x in enumerate(candidates):
+        pn = p[x] / p_total if p_total > 0 else 0.0
+        qn = q[x] / q_total if q_total > 0 else 0.0
+        if _accept(draw(), pn, qn):
+            return i, -1
+        diff = _normalized(p, p_total) - _normalized(q, q_total)
+        residual = np.where(diff > 0, diff, 0.0)
+        residual_total = canonical_total(residual)
+        if residual_total > 0:
+            p, p_total = residual, residual_total
+        if without_replacement:
+            q = q.copy()
+            q[x] = 0.0
+            q_total = canonical_total(q)
+    return None, canonical_sample(p, draw())
