@@ -84,10 +84,12 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
 
 
 def test_tree_verification_samples_at_temperature(model_dir, code_store, e2e_prompts):
+    from vllm.exceptions import VLLMValidationError
+
     options = {"datastore": str(code_store), "tree": True}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
         run = generate(llm, e2e_prompts[:8], E2E_MAX_TOKENS, concurrency=CONCURRENT, temperature=0.8, seed=7, ignore_eos=True)
-        with pytest.raises(ValueError, match="retrieval_spec.tree"):
+        with pytest.raises(VLLMValidationError, match="retrieval_spec.tree"):
             generate(llm, e2e_prompts[:1], 8, presence_penalty=0.5)
     assert run.counters.accepted_tokens > 0
     assert all(len(record.output_ids) == E2E_MAX_TOKENS for record in run.records)
