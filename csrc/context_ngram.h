@@ -12,11 +12,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define VRS_HD __host__ __device__
-#else
-#define VRS_HD
-#endif
+#include "hd.h"
 
 namespace vrs {
 

@@ -10,13 +10,7 @@
 
 #include <cstdint>
 
-#ifndef VRS_HD
-#if defined(__CUDACC__)
-#define VRS_HD __host__ __device__
-#else
-#define VRS_HD
-#endif
-#endif
+#include "hd.h"
 
 namespace vrs {
 

@@ -55,7 +55,7 @@ def check_layout(kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
             f"this machine uses {isa!r}; run without retrieval_spec.tree (chain mode)"
         )
     n, kv_heads = slots.shape[0], kv_cache.shape[1]
-    stored_k, stored_v = read_slots(kv_cache, key.shape[-1] if key.dim() == 3 else kv_cache.shape[-1] // 2, slots)
+    stored_k, stored_v = read_slots(kv_cache, kv_cache.shape[-1] // 2, slots)
     if not (torch.equal(stored_k, key.reshape(n, kv_heads, -1)) and torch.equal(stored_v, value.reshape(n, kv_heads, -1))):
         raise TreeAttentionError(
             "the CPU attention KV cache layout is not the one tree verification reads (vLLM "

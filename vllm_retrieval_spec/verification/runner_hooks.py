@@ -75,7 +75,7 @@ def plan_tree_step(runner: Any, scheduler_output: Any) -> None:
         scheduled = spec_tokens.get(req_id, ())
         tree = REGISTRY.tree_for(req_id, scheduled) if scheduled else DraftTree((), ())
         rows.append((row, int(starts[row]), tree))
-    plan = TreeStepPlan.build(rows, num_reqs)
+    plan = TreeStepPlan.build(rows)
     if not plan.is_branching():
         return
     slot_mapping = batch.block_table.block_tables[0].slot_mapping.gpu

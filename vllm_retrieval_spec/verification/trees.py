@@ -78,12 +78,11 @@ class TreeStepPlan:
     """The trees of one target step, in input-batch row order."""
 
     requests: list[TreeRequest]
-    num_rows: int
     draft_slots: list[torch.Tensor] | None = None  # per request: KV slot of each node
     tree_rows: Any = None  # the attention's padded index tensors, built by its first layer
 
     @classmethod
-    def build(cls, rows_and_trees: Sequence[tuple[int, int, DraftTree]], num_rows: int) -> TreeStepPlan:
+    def build(cls, rows_and_trees: Sequence[tuple[int, int, DraftTree]]) -> TreeStepPlan:
         """``rows_and_trees``: (batch row, query start, tree) of every row with drafts."""
         trees = [tree for _, _, tree in rows_and_trees]
         parents, offsets = flatten_parents(trees)
@@ -93,7 +92,7 @@ class TreeStepPlan:
         requests = []
         for (row, start, tree), lo, hi in zip(rows_and_trees, offsets[:-1], offsets[1:]):
             requests.append(TreeRequest(row, start, tree, depth[lo:hi], unpack_mask(masks[lo:hi], hi - lo)))
-        return cls(requests, num_rows)
+        return cls(requests)
 
     def is_branching(self) -> bool:
         """False when every tree is a chain (then vLLM's own path is already exact)."""
