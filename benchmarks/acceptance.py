@@ -55,7 +55,8 @@ CONFIGS: dict[str, dict] = {
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},
     **{f"ngrammys_tree_k{k}": _ours("NGramProposer", k, tree=True) for k in (8, 16, 32, 64)},
-    "rest_k16": _ours("RestProposer", 16),
+    # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
+    **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

@@ -138,13 +138,20 @@ def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
 
 def _patch_tree_verification() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_retrieval_spec.verification.tree_attention import KVLayout
 
     _wrap(GPUModelRunner, "__init__", _runner_init)
     _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs)
     _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
-    _wrap(CPUAttentionBackendImpl, "forward", _cpu_attention_forward)
+    # The backends whose KV layout tree attention reads; any other fails at the first tree step.
+    _wrap(CPUAttentionBackendImpl, "forward", _tree_attention_forward(KVLayout.CPU_VEC))
+    _wrap(FlashAttentionImpl, "forward", _tree_attention_forward(KVLayout.SPLIT_LAST_DIM))
+    _wrap(TritonAttentionImpl, "forward", _tree_attention_forward(KVLayout.SPLIT_LAST_DIM))
     _wrap(InputProcessor, "_validate_params", _input_processor_validate_params)
 
 
@@ -183,17 +190,21 @@ def _runner_propose_draft_token_ids(original: Callable) -> Callable:
     return propose_draft_token_ids
 
 
-def _cpu_attention_forward(original: Callable) -> Callable:
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        from vllm_retrieval_spec.verification import runner_hooks
+def _tree_attention_forward(layout: Any) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            from vllm_retrieval_spec.verification import runner_hooks
 
-        plan = runner_hooks.ACTIVE_PLAN
-        if plan is not None and attn_metadata is not None:
-            runner_hooks.tree_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, plan)
-        return result
+            plan = runner_hooks.ACTIVE_PLAN
+            if plan is not None and attn_metadata is not None:
+                runner_hooks.tree_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, plan,
+                                            layout)
+            return result
 
-    return forward
+        return forward
+
+    return make
 
 
 def _input_processor_validate_params(original: Callable) -> Callable:

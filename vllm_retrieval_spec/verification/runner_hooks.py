@@ -4,7 +4,9 @@ inside vLLM's model runner (one target step):
 1. ``_prepare_inputs`` → :func:`plan_tree_step`: look up each request's draft tree, set the
    draft nodes' rotary positions to ``base + depth`` and publish the step's plan;
 2. attention → :func:`tree_attention`: draft rows of branching trees see only their
-   ancestors (and the context);
+   ancestors (and the context); ``CPU_ATTN`` on the CPU build, ``FLASH_ATTN`` or
+   ``TRITON_ATTN`` on CUDA GPUs (full CUDA graphs are turned into piecewise ones there, so
+   attention runs eagerly);
 3. ``rejection_sampler`` → :class:`TreeRejectionSampler`: walk the trees, emit the accepted
    path plus one token, then :func:`compact` the accepted path's K/V into the slots the
    scheduler keeps.
@@ -20,10 +22,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
-from vllm_retrieval_spec.verification import cpu_attention
+from vllm_retrieval_spec.verification import tree_attention as tree_attention_ops
+from vllm_retrieval_spec.verification.tree_attention import KVLayout
 from vllm_retrieval_spec.verification.trees import REGISTRY, DraftTree, TreeStepPlan
 
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -48,16 +53,30 @@ def install(runner: Any) -> None:
     """Called at the end of the runner's ``__init__`` when tree mode is on."""
     from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 
-    if runner.device.type != "cpu":
+    if runner.device.type not in ("cpu", "cuda"):
         raise TreeModeError(
-            "retrieval_spec.tree (tree verification) runs on vLLM's CPU build in this release; "
-            f"on {runner.device.type} use chain mode (leave retrieval_spec.tree false)"
+            f"retrieval_spec.tree (tree verification) runs on CPUs and CUDA GPUs, not on "
+            f"{runner.device.type}; use chain mode (leave retrieval_spec.tree false)"
         )
     if len(runner.input_batch.block_table.block_tables) != 1:
         raise TreeModeError("tree verification supports models with one KV cache group (full attention)")
+    if runner.device.type == "cuda":
+        keep_attention_eager(runner.compilation_config)
     runner.rejection_sampler = TreeRejectionSampler(
         runner.sampler, current_plan=lambda: ACTIVE_PLAN, compact=lambda plan, path, accepted: compact(runner, plan, path, accepted)
     )
+
+
+def keep_attention_eager(compilation_config: Any) -> None:
+    """Full CUDA graphs would replay attention without the tree fix-up: keep piecewise graphs
+    (attention runs eagerly between them), as ``--compilation-config '{"cudagraph_mode":
+    "PIECEWISE"}'`` would."""
+    from vllm.config import CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        logger.info("retrieval_spec.tree: cudagraph_mode %s -> PIECEWISE (tree attention runs eagerly)", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def plan_tree_step(runner: Any, scheduler_output: Any) -> None:
@@ -78,35 +97,48 @@ def plan_tree_step(runner: Any, scheduler_output: Any) -> None:
     plan = TreeStepPlan.build(rows)
     if not plan.is_branching():
         return
-    slot_mapping = batch.block_table.block_tables[0].slot_mapping.gpu
+    end = plan.requests[-1].query_start + 1 + plan.requests[-1].num_nodes
+    slots = batch.block_table.block_tables[0].slot_mapping.gpu[:end].cpu().numpy().astype(np.int64)
     plan.draft_slots = []
     for request in plan.requests:
         first = request.query_start + 1
         draft = slice(first, first + request.num_nodes)
         if request.num_nodes:
-            runner.positions[draft] = runner.positions[request.query_start] + torch.from_numpy(request.depth).to(runner.positions.dtype)
-        plan.draft_slots.append(slot_mapping[draft].clone().long())
+            depth = torch.from_numpy(request.depth).to(runner.positions.device, runner.positions.dtype)
+            runner.positions[draft] = runner.positions[request.query_start] + depth
+        plan.draft_slots.append(slots[draft])
     STATS.tree_steps += 1
     STATS.tree_requests += sum(1 for request in plan.requests if request.num_nodes)
     ACTIVE_PLAN = plan
 
 
-def tree_attention(impl: Any, layer: Any, query, key, value, kv_cache, metadata, output, plan: TreeStepPlan) -> None:
-    """Recompute the draft rows of branching trees with the tree mask (CPU backend)."""
+def tree_attention(impl: Any, layer: Any, query, key, value, kv_cache, metadata, output, plan: TreeStepPlan,
+                   layout: KVLayout) -> None:
+    """Recompute the draft rows of branching trees with the tree mask."""
     global _layout_checked
     if not _layout_checked:
-        cpu_attention.require_plain_attention(impl)
+        tree_attention_ops.require_plain_attention(impl)
+        if layout is KVLayout.CPU_VEC:
+            tree_attention_ops.require_cpu_isa(layer.isa)
         n = metadata.num_actual_tokens
-        cpu_attention.check_layout(kv_cache, metadata.slot_mapping[:n].long(), key[:n], value[:n], layer.isa)
+        tree_attention_ops.check_layout(kv_cache, layout, metadata.slot_mapping[:n].long(), key[:n], value[:n])
         _layout_checked = True
     if plan.tree_rows is None:
-        plan.tree_rows = cpu_attention.TreeRows.build(plan.requests, metadata.seq_lens, metadata.block_table, kv_cache.shape[2])
-    cpu_attention.apply_tree_attention(impl, query, key, value, kv_cache, output, plan.tree_rows)
+        plan.tree_rows = tree_attention_ops.TreeRows.build(plan.requests, metadata.seq_lens, metadata.block_table,
+                                                           kv_cache.shape[2])
+        plan.kv_layout = layout
+    tree_attention_ops.apply_tree_attention(impl, query, key, value, kv_cache, layout, output, plan.tree_rows)
 
 
 def compact(runner: Any, plan: TreeStepPlan, path_nodes: np.ndarray, num_accepted: np.ndarray) -> None:
     """Move each accepted node's K/V into the draft slot of its depth, then retire the plan."""
     global ACTIVE_PLAN
+    if plan.kv_layout is None:
+        raise TreeModeError(
+            "this step verified draft trees but no attention layer applied the tree mask: the "
+            "attention backend is not one tree verification supports (CPU_ATTN on the CPU build, "
+            "FLASH_ATTN or TRITON_ATTN on GPUs; pick one with --attention-backend) or use chain mode"
+        )
     moves = []
     for request, slots, path, accepted in zip(plan.requests, plan.draft_slots, path_nodes, num_accepted):
         for depth_index in range(int(accepted)):
@@ -116,7 +148,7 @@ def compact(runner: Any, plan: TreeStepPlan, path_nodes: np.ndarray, num_accepte
     STATS.compacted_slots += len(moves)
     if moves:
         head_size = runner.model_config.get_head_size()
-        cpu_attention.compact_kv(runner.kv_caches, head_size, torch.tensor(moves, dtype=torch.long))
+        tree_attention_ops.compact_kv(runner.kv_caches, head_size, plan.kv_layout, torch.tensor(moves, dtype=torch.long))
     ACTIVE_PLAN = None
 
 

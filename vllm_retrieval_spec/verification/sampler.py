@@ -41,7 +41,7 @@ class TreeRejectionSampler(RejectionSampler):
         scores = self._scores(logits, metadata, sampling_metadata)
         out_tokens, path_nodes, num_accepted = self._accept(plan, scores, metadata, sampling_metadata)
         self._compact(plan, path_nodes, num_accepted)
-        output = torch.from_numpy(out_tokens).to(logits.device)
+        output = torch.as_tensor(out_tokens).to(logits.device)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._path_logprobs(plan, logits, scores, metadata, sampling_metadata, path_nodes, output)
@@ -72,11 +72,11 @@ class TreeRejectionSampler(RejectionSampler):
         greedy = request_is_greedy(sampling_metadata, len(trees))
         rules = np.where(greedy, AcceptRule.GREEDY, AcceptRule.CANDIDATES).astype(np.int32)
         seeds = request_seeds(sampling_metadata, len(trees))
-        result = accept_trees(
-            scores.cpu().numpy(), tokens, parents, offsets, rules, seeds,
+        result = accept_trees(  # the CUDA kernel when the logits live on a GPU
+            scores if scores.is_cuda else scores.cpu().numpy(), tokens, parents, offsets, rules, seeds,
             out_width=metadata.max_spec_len + 1,
         )
-        return result.out_tokens, result.path_nodes, result.num_accepted
+        return result.out_tokens, host_array(result.path_nodes), host_array(result.num_accepted)
 
     def _path_logprobs(self, plan, logits, scores, metadata, sampling_metadata, path_nodes, output):
         """Logprobs of the emitted tokens, read at the rows of the accepted path."""
@@ -90,6 +90,10 @@ class TreeRejectionSampler(RejectionSampler):
         logprobs = selected if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(selected)
         tokens = output.flatten().clamp(min=0).to(torch.int64)
         return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
+
+
+def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    return values.cpu().numpy() if isinstance(values, torch.Tensor) else values
 
 
 def expand_rows(per_request: torch.Tensor, metadata) -> torch.Tensor:

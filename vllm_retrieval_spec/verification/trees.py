@@ -78,8 +78,9 @@ class TreeStepPlan:
     """The trees of one target step, in input-batch row order."""
 
     requests: list[TreeRequest]
-    draft_slots: list[torch.Tensor] | None = None  # per request: KV slot of each node
+    draft_slots: list[np.ndarray] | None = None  # per request: KV slot of each node
     tree_rows: Any = None  # the attention's padded index tensors, built by its first layer
+    kv_layout: Any = None  # the KV cache layout the attention layers read and compaction writes
 
     @classmethod
     def build(cls, rows_and_trees: Sequence[tuple[int, int, DraftTree]]) -> TreeStepPlan:

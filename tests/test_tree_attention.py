@@ -1,0 +1,125 @@
+"""Tree attention and KV compaction on both paged KV layouts equal a dense reference.
+
+The caches are filled by hand in each backend's layout (not through the module's own views),
+so a wrong view fails here; the CPU layout is also proven end to end in test_e2e_engine.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_retrieval_spec.verification.tree_attention import (
+    KVLayout,
+    TreeAttentionError,
+    TreeRows,
+    apply_tree_attention,
+    check_layout,
+    compact_kv,
+    read_slots,
+)
+from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 40
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+def write_slot(cache: torch.Tensor, layout: KVLayout, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store ``k, v [kv_heads, head_size]`` at ``slot`` exactly as the backend does."""
+    block, offset = divmod(slot, BLOCK_SIZE)
+    if layout is KVLayout.SPLIT_LAST_DIM:
+        cache[block, :, offset, :HEAD_SIZE] = k
+        cache[block, :, offset, HEAD_SIZE:] = v
+        return
+    flat = cache[block].reshape(KV_HEADS, -1)  # per head: keys [head_size, block_size], then values
+    for d in range(HEAD_SIZE):
+        flat[:, d * BLOCK_SIZE + offset] = k[:, d]
+    flat[:, BLOCK_SIZE * HEAD_SIZE + offset * HEAD_SIZE : BLOCK_SIZE * HEAD_SIZE + (offset + 1) * HEAD_SIZE] = v
+
+
+class Batch:
+    """Two requests with branching trees and different context lengths, on shuffled blocks."""
+
+    def __init__(self, layout: KVLayout, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        gen = torch.Generator().manual_seed(seed)
+        trees = [DraftTree((5, 6, 7, 8, 9), (-1, -1, 0, 0, 2)), DraftTree((1, 2, 3), (-1, 0, -1))]
+        contexts = [9, 14]  # tokens before the draft nodes, the root included
+        self.blocks = torch.from_numpy(rng.permutation(NUM_BLOCKS)[:16].reshape(2, 8).astype(np.int32))
+        self.cache = torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+        self.context_kv = []
+        for row, context in enumerate(contexts):
+            k = torch.randn(context, KV_HEADS, HEAD_SIZE, generator=gen)
+            v = torch.randn(context, KV_HEADS, HEAD_SIZE, generator=gen)
+            for position in range(context):
+                write_slot(self.cache, layout, self.slot(row, position), k[position], v[position])
+            self.context_kv.append((k, v))
+        # Flat batch: request 0's root and nodes, then request 1's (the roots are context).
+        starts = [0, 1 + len(trees[0].tokens)]
+        self.num_tokens = starts[1] + 1 + len(trees[1].tokens)
+        self.query = torch.randn(self.num_tokens, HEADS * HEAD_SIZE, generator=gen)
+        self.key = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
+        self.value = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
+        self.plan = TreeStepPlan.build([(row, starts[row], trees[row]) for row in range(2)])
+        self.seq_lens = torch.tensor([c + len(t.tokens) for c, t in zip(contexts, trees)], dtype=torch.int32)
+        self.impl = SimpleNamespace(num_heads=HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
+
+    def slot(self, row: int, position: int) -> int:
+        return int(self.blocks[row, position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
+
+    def reference_rows(self) -> dict[int, torch.Tensor]:
+        """Dense attention of every draft node over its context, ancestors and itself."""
+        expected = {}
+        for request, (ctx_k, ctx_v) in zip(self.plan.requests, self.context_kv):
+            for node in range(request.num_nodes):
+                flat = request.query_start + 1 + node
+                seen = [request.query_start + 1 + j for j in range(request.num_nodes) if request.visible[node, j]]
+                k = torch.cat([ctx_k, self.key[seen].view(-1, KV_HEADS, HEAD_SIZE)])
+                v = torch.cat([ctx_v, self.value[seen].view(-1, KV_HEADS, HEAD_SIZE)])
+                q = self.query[flat].view(HEADS, HEAD_SIZE)
+                kv_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
+                weights = torch.einsum("hd,nhd->hn", q, k[:, kv_head]) * self.impl.scale
+                expected[flat] = torch.einsum("hn,nhd->hd", weights.softmax(-1), v[:, kv_head]).reshape(-1)
+        return expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_tree_rows_match_dense_attention(layout, device):
+    batch = Batch(layout)
+    output = torch.full((batch.num_tokens, HEADS * HEAD_SIZE), 7.0, device=device)
+    rows = TreeRows.build(batch.plan.requests, batch.seq_lens.to(device), batch.blocks.to(device), BLOCK_SIZE)
+    inputs = (t.to(device) for t in (batch.query, batch.key, batch.value, batch.cache))
+    apply_tree_attention(batch.impl, *inputs, layout, output, rows)
+    output, expected = output.cpu(), batch.reference_rows()
+    for flat in range(batch.num_tokens):
+        if flat in expected:
+            torch.testing.assert_close(output[flat], expected[flat], rtol=1e-5, atol=1e-5)
+        else:  # roots keep what the backend computed
+            assert torch.equal(output[flat], torch.full((HEADS * HEAD_SIZE,), 7.0))
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_compaction_moves_keys_and_values(layout):
+    batch = Batch(layout)
+    slots = torch.tensor([batch.slot(1, p) for p in (13, 3, 7)])
+    before_k, before_v = read_slots(batch.cache, HEAD_SIZE, layout, slots)
+    destinations = torch.tensor([batch.slot(0, p) for p in (20, 21, 30)])
+    compact_kv([batch.cache], HEAD_SIZE, layout, torch.stack([slots, destinations], dim=1))
+    after_k, after_v = read_slots(batch.cache, HEAD_SIZE, layout, destinations)
+    assert torch.equal(after_k, before_k) and torch.equal(after_v, before_v)
+    assert torch.equal(after_k[0], batch.context_kv[1][0][13])
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_layout_check_accepts_its_own_layout_and_refuses_the_other(layout):
+    batch = Batch(layout)
+    slots = torch.tensor([batch.slot(0, p) for p in range(9)])
+    keys, values = batch.context_kv[0]
+    check_layout(batch.cache, layout, slots, keys.reshape(9, -1), values.reshape(9, -1))
+    other = next(other for other in KVLayout if other is not layout)
+    with pytest.raises(TreeAttentionError, match="layout tree verification reads"):
+        check_layout(batch.cache, other, slots, keys.reshape(9, -1), values.reshape(9, -1))
