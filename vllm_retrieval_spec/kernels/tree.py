@@ -92,14 +92,14 @@ def pack_tree_masks(
     ``validate`` checks the trees first (on the host: a device sync for CUDA tensors).
     """
     if validate:
-        _check_trees(_host(parents), _host(offsets), max_nodes)
+        _check_trees(to_host(parents), to_host(offsets), max_nodes)
     return _pack(parents, offsets, mask_words(max_nodes), num_threads)
 
 
 def tree_depths(parents: Any, offsets: Any, *, validate: bool = True, num_threads: int = 0) -> Any:
     """Depth of every node (1 for children of the root), as in :func:`pack_tree_masks`."""
     if validate:
-        _check_trees(_host(parents), _host(offsets))
+        _check_trees(to_host(parents), to_host(offsets))
     return _pack(parents, offsets, None, num_threads).depth
 
 
@@ -180,15 +180,15 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
     torch = _cuda_torch(ext)
     device = scores.device
     # Rules known on the host size the workspaces; without them assume every rule occurs.
-    host_rules = _host(rules) if validate or not _is_cuda_tensor(rules) else None
+    host_rules = to_host(rules) if validate or not _is_cuda_tensor(rules) else None
     scores = scores.to(torch.float32).contiguous()
     draft = None if draft_probs is None else draft_probs.to(device, torch.float32).contiguous()
     tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
                                        for a in (tokens, parents, offsets, rules))
     seeds = _cuda_seeds(seeds, device)
     if validate:
-        _check_accept(tuple(scores.shape), _host(tokens), _host(parents), _host(offsets),
-                      host_rules, _host(seeds),
+        _check_accept(tuple(scores.shape), to_host(tokens), to_host(parents), to_host(offsets),
+                      host_rules, to_host(seeds),
                       None if draft is None else tuple(draft.shape), out_width)
     width = out_width if out_width is not None else _max_depth(parents, offsets) + 1
     batch, vocab = len(offsets) - 1, scores.shape[1]
@@ -231,7 +231,8 @@ def _is_cuda_tensor(array: Any) -> bool:
     return bool(getattr(array, "is_cuda", False))
 
 
-def _host(array: Any) -> np.ndarray:
+def to_host(array: Any) -> np.ndarray:
+    """A NumPy copy of a host or device array."""
     if hasattr(array, "detach"):
         return array.detach().cpu().numpy()
     return np.asarray(array)

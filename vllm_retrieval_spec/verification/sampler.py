@@ -19,7 +19,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees
+from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees, to_host
 from vllm_retrieval_spec.verification.trees import TreeStepPlan, flatten_parents
 
 GREEDY_TEMPERATURE = 0.0
@@ -76,7 +76,7 @@ class TreeRejectionSampler(RejectionSampler):
             scores if scores.is_cuda else scores.cpu().numpy(), tokens, parents, offsets, rules, seeds,
             out_width=metadata.max_spec_len + 1,
         )
-        return result.out_tokens, host_array(result.path_nodes), host_array(result.num_accepted)
+        return result.out_tokens, to_host(result.path_nodes), to_host(result.num_accepted)
 
     def _path_logprobs(self, plan, logits, scores, metadata, sampling_metadata, path_nodes, output):
         """Logprobs of the emitted tokens, read at the rows of the accepted path."""
@@ -90,10 +90,6 @@ class TreeRejectionSampler(RejectionSampler):
         logprobs = selected if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(selected)
         tokens = output.flatten().clamp(min=0).to(torch.int64)
         return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
-
-
-def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
-    return values.cpu().numpy() if isinstance(values, torch.Tensor) else values
 
 
 def expand_rows(per_request: torch.Tensor, metadata) -> torch.Tensor:

@@ -171,10 +171,10 @@ def compact_kv(kv_caches: Sequence[torch.Tensor], head_size: int, layout: KVLayo
     never an earlier destination: the accepted path only moves forward)."""
     if moves.numel() == 0:
         return
+    block_size = kv_caches[0].shape[2]
+    src, dst = moves.to(kv_caches[0].device).unbind(1)
+    sb, so, db, do = src // block_size, src % block_size, dst // block_size, dst % block_size
     for kv_cache in kv_caches:
         keys, values = kv_views(kv_cache, head_size, layout)
-        block_size = kv_cache.shape[2]
-        src, dst = moves.to(kv_cache.device).unbind(1)
-        sb, so, db, do = src // block_size, src % block_size, dst // block_size, dst % block_size
         keys[db, :, do] = keys[sb, :, so]
         values[db, :, do] = values[sb, :, so]
