@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
@@ -51,10 +51,10 @@ CONFIGS: dict[str, dict] = {
     "rest_k8": _ours("RestProposer", 8),
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
-    "ngrammys_k8": _ours("NGramProposer", 8),
+    "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},
-    **{f"ngrammys_tree_k{k}": _ours("NGramProposer", k, tree=True) for k in (8, 16, 32, 64)},
+    **{f"ngrammys_tree_k{k}": _ours("NGrammysProposer", k, tree=True) for k in (8, 16, 32, 64)},
     # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
     **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
     "ngram_k4": _ngram(4),
@@ -109,7 +109,8 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
 
 
 def print_table(report: dict) -> None:
-    header = f"{'config':18s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'tok/s':>7s} {'speed-up':>9s} {'differ':>7s}"
+    header = (f"{'config':18s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'tok/s':>7s} {'speed-up':>9s} "
+              f"{'differ':>7s}")
     print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
           f"concurrency {report['concurrency']}")
     print(header)

@@ -8,18 +8,16 @@ greedy HumanEval outputs (both prompt forms). Writes a plot and JSON under resul
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay import greedy_traces  # noqa: E402
-
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace  # noqa: E402
+from vllm_retrieval_spec.evaluation.traces import greedy_traces  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, default_table_dir  # noqa: E402
 
@@ -27,7 +25,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KS = (1, 5, 10, 25)
 
 
-def coverage(table: NgramTable, traces) -> dict[str, list[float]]:
+def coverage(table: NgramTable, traces: list[GreedyTrace]) -> dict[str, list[float] | int]:
+    """Top-k hit rates of the bigram (and unigram) on the next token of every output position."""
     previous, target = [], []
     for trace in traces:
         full = trace.prompt_ids + trace.output_ids
@@ -42,7 +41,7 @@ def coverage(table: NgramTable, traces) -> dict[str, list[float]]:
         position = np.empty_like(table.unigram_ranking)
         position[table.unigram_ranking] = np.arange(len(position))
         result["unigram"] = [float((position[target] < k).mean()) for k in KS]
-    result["positions"] = int(len(target))
+    result["positions"] = len(target)
     return result
 
 

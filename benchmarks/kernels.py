@@ -16,6 +16,7 @@ Writes benchmarks/results/kernels_<device>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -25,13 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.kernels.tree import (
-    AcceptRule,
-    accept_trees,
-    accept_trees_reference,
-    pack_tree_masks,
-    pack_tree_masks_reference,
-)
+from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees, pack_tree_masks
+from vllm_retrieval_spec.kernels.tree_reference import accept_trees_reference, pack_tree_masks_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -116,7 +112,7 @@ def bench_accept(rng: np.random.Generator, batch: int, nodes: int, vocab: int, r
     inputs = tree_inputs(rng, batch, nodes, vocab, rule, device)
     args = as_kernel_args(inputs, device)
     width = nodes + 1
-    us = time_call(lambda: accept_trees(**args, out_width=width, validate=False), device, repeats)
+    us = time_call(functools.partial(accept_trees, **args, out_width=width, validate=False), device, repeats)
     out = accept_trees(**args, out_width=width)
     accepted = np.asarray(out.num_accepted.cpu() if device == "cuda" else out.num_accepted)
     rows_read = int(accepted.sum() + batch) * (2 if rule >= AcceptRule.MCSS else 1)

@@ -1,4 +1,4 @@
-"""Fast, exact tuning of drafting rules by greedy replay (algorithms.md §8).
+"""Fast, exact tuning of drafting rules by greedy replay (see :mod:`vllm_retrieval_spec.evaluation.replay`).
 
 The target's greedy outputs are generated once (in-process vLLM, fp32; cached), then every
 drafting variant is scored offline: honest tokens per decode step and draft tokens per step,
@@ -20,54 +20,30 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
+import numpy as np  # noqa: E402
+
+from vllm_retrieval_spec.datastores import TokenDatastore  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
-from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
-from vllm_retrieval_spec.evaluation.replay import (  # noqa: E402
-    GreedyTrace,
-    chain_as_tree,
-    load_traces,
-    replay,
-    save_traces,
-)
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace, TreeDrafter, chain_as_tree, replay  # noqa: E402
+from vllm_retrieval_spec.evaluation.traces import greedy_traces  # noqa: E402
 from vllm_retrieval_spec.kernels import context_ngram  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
 from vllm_retrieval_spec.ngrams.drafts import mixed_drafts  # noqa: E402
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, default_table_dir  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
-from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def greedy_traces(model: Path, form: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
-    path = cache_root() / "traces" / f"humaneval_{form}_n{prompts}_t{max_tokens}.json"
-    if path.is_file():
-        return load_traces(path)
-    from transformers import AutoTokenizer
+def rest_drafter(store: TokenDatastore, params: RestParams, tree: bool) -> TreeDrafter:
+    """REST drafts: the retrieved tree, or its heaviest chain."""
 
-    from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
-
-    print(f"generating greedy traces ({form}, {prompts} prompts) once; cached at {path}", flush=True)
-    texts = humaneval_prompts(prompts, form, AutoTokenizer.from_pretrained(model) if form == "chat" else None)
-    llm = build_llm(EngineSpec(model, max_num_seqs=16))
-    try:
-        run = generate(llm, texts, max_tokens, concurrency=16)
-    finally:
-        shutdown_llm(llm)
-    traces = [GreedyTrace(r.prompt_ids, r.output_ids) for r in run.records]
-    save_traces(traces, path)
-    return traces
-
-
-def rest_drafter(store, params: RestParams, tree: bool):
-    def draft(matrix, lengths):
-        import numpy as np
-
+    def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
         out = rest_retrieve(store, matrix, lengths, np.arange(len(lengths)), params)
         if tree:
             return [out.tree(i) for i in range(len(lengths))]
@@ -76,24 +52,25 @@ def rest_drafter(store, params: RestParams, tree: bool):
     return draft
 
 
-def prompt_lookup_drafter(k: int, q_max: int):
-    def draft(matrix, lengths):
-        import numpy as np
+def prompt_lookup_drafter(draft_len: int, q_max: int) -> TreeDrafter:
+    """Prompt lookup chains of ``draft_len`` tokens, matching context suffixes of up to ``q_max`` tokens."""
 
-        out = context_ngram(matrix, lengths, np.arange(len(lengths)), k=1, w=k, q_min=1, q_max=q_max)
+    def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
+        out = context_ngram(matrix, lengths, np.arange(len(lengths)), k=1, w=draft_len, q_min=1, q_max=q_max)
         return [chain_as_tree(out.draft(i)) for i in range(len(lengths))]
 
     return draft
 
 
-def ngrammys_drafter(table, k: int, w: int, q: int, tree: bool, nodes: int = 0):
-    """N-Grammys drafts; trees cut to ``nodes`` (0: uncut) as the engine's node budget does."""
+def ngrammys_drafter(table: NgramTable, options: RetrievalSpecOptions, draft_len: int, tree: bool,
+                     nodes: int = 0) -> TreeDrafter:
+    """N-Grammys drafts of ``draft_len`` tokens; trees cut to ``nodes`` (0: uncut) as the
+    engine's node budget does."""
 
-    def draft(matrix, lengths):
-        import numpy as np
-
+    def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
         drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
-                              k=k, w=w, q=q, mixing="context-first")
+                              k=options.ngrammys_drafts, w=draft_len, q=options.ngrammys_context_len,
+                              mixing=options.ngrammys_mixing)
         if tree:
             cut = nodes or None
             return [tuple(part[:cut] for part in drafts.tree(i)) for i in range(len(lengths))]
@@ -102,7 +79,8 @@ def ngrammys_drafter(table, k: int, w: int, q: int, tree: bool, nodes: int = 0):
     return draft
 
 
-def parse_grid(items: list[str]) -> list[dict]:
+def parse_grid(items: list[str]) -> list[dict[str, int | float | bool]]:
+    """``key=v1,v2`` axes over :class:`RestParams` fields -> every combination of overrides."""
     axes = []
     for item in items:
         key, values = item.split("=", 1)
@@ -112,7 +90,7 @@ def parse_grid(items: list[str]) -> list[dict]:
     return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="both")
     parser.add_argument("--prompts", type=int, default=164)
@@ -126,51 +104,81 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["chain", "tree"], choices=["chain", "tree"])
     parser.add_argument("--ngrammys", action="store_true", help="also score N-Grammys (needs its table)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def tree_budgets(args: argparse.Namespace) -> list[int]:
+    """The node budgets of the tree variants (none unless trees are scored)."""
+    return args.tree_nodes if "tree" in args.shapes else []
+
+
+def rest_variants(store: TokenDatastore, base: RestParams, args: argparse.Namespace) -> dict[str, TreeDrafter]:
+    """REST per grid point, source and shape."""
+    variants = {}
+    sources = {"both": {}, "datastore": {"use_context": False}, "context": {"use_datastore": False}}
+    for overrides in parse_grid(args.grid):
+        label = ",".join(f"{k}={v}" for k, v in overrides.items())
+        suffix = f" [{label}]" if label else ""
+        params = dataclasses.replace(base, **overrides)
+        for name in args.sources:
+            p = dataclasses.replace(params, **sources[name])
+            if "chain" in args.shapes:
+                variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
+            for nodes in tree_budgets(args):
+                variants[f"rest_{name}_tree{nodes}{suffix}"] = rest_drafter(
+                    store, dataclasses.replace(p, top_k=nodes), tree=True)
+    return variants
+
+
+def ngrammys_variants(model: Path, args: argparse.Namespace) -> dict[str, TreeDrafter]:
+    """N-Grammys with the default options, per shape, on the model's cached table."""
+    identity = ModelIdentity.of(model)
+    table = NgramTable.open(default_table_dir(identity), expected_model=identity)
+    options = RetrievalSpecOptions()
+    variants = {}
+    if "chain" in args.shapes:
+        variants["ngrammys_chain"] = ngrammys_drafter(table, options, args.k, tree=False)
+    for nodes in tree_budgets(args):
+        draft_len = min(options.ngrammys_draft_len, nodes)
+        variants[f"ngrammys_tree{nodes}_k{options.ngrammys_drafts}_w{draft_len}"] = ngrammys_drafter(
+            table, options, draft_len, tree=True, nodes=nodes)
+    return variants
+
+
+def score(traces: list[GreedyTrace], variants: dict[str, TreeDrafter]) -> list[dict[str, float | int | str]]:
+    """One result row per variant."""
+    rows = []
+    for name, drafter in variants.items():
+        start = time.perf_counter()
+        result = replay(traces, drafter)
+        rows.append({"variant": name, "honest_tokens_per_step": result.honest_tokens_per_step,
+                     "draft_tokens_per_step": result.draft_tokens_per_step,
+                     "decode_steps": result.decode_steps, "seconds": time.perf_counter() - start})
+    return rows
+
+
+def print_rows(title: str, rows: list[dict[str, float | int | str]]) -> None:
+    print(f"\n{title}")
+    print(f"{'variant':58s} {'honest':>7s} {'drafted/step':>13s}")
+    for row in rows:
+        print(f"{row['variant']:58s} {row['honest_tokens_per_step']:7.3f} {row['draft_tokens_per_step']:13.2f}")
+
+
+def main() -> None:
+    args = parse_args()
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(args.datastore, model)
     base = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k)
-    variants = {f"prompt_lookup_k{args.k}": prompt_lookup_drafter(args.k, 4)}
-    for overrides in parse_grid(args.grid):
-        label = ",".join(f"{k}={v}" for k, v in overrides.items())
-        params = dataclasses.replace(base, **overrides)
-        sources = {"both": {}, "datastore": {"use_context": False}, "context": {"use_datastore": False}}
-        for name in args.sources:
-            p = dataclasses.replace(params, **sources[name])
-            suffix = f" [{label}]" if label else ""
-            if "chain" in args.shapes:
-                variants[f"rest_{name}_chain{suffix}"] = rest_drafter(store, p, tree=False)
-            for nodes in args.tree_nodes if "tree" in args.shapes else ():
-                variants[f"rest_{name}_tree{nodes}{suffix}"] = rest_drafter(
-                    store, dataclasses.replace(p, top_k=nodes), tree=True)
-
+    variants = {f"prompt_lookup_k{args.k}": prompt_lookup_drafter(args.k, 4), **rest_variants(store, base, args)}
     if args.ngrammys:
-        identity = ModelIdentity.of(model)
-        table = NgramTable.open(default_table_dir(identity), expected_model=identity)
-        options = RetrievalSpecOptions()
-        if "chain" in args.shapes:
-            variants["ngrammys_chain"] = ngrammys_drafter(table, options.k, args.k, options.q, tree=False)
-        for nodes in args.tree_nodes if "tree" in args.shapes else ():
-            w = min(options.w, nodes)
-            variants[f"ngrammys_tree{nodes}_k{options.k}_w{w}"] = ngrammys_drafter(
-                table, options.k, w, options.q, tree=True, nodes=nodes)
+        variants.update(ngrammys_variants(model, args))
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):
         traces = greedy_traces(model, form, args.prompts, args.max_tokens)
-        rows = []
-        for name, drafter in variants.items():
-            start = time.perf_counter()
-            result = replay(traces, drafter)
-            rows.append({"variant": name, "honest_tokens_per_step": result.honest_tokens_per_step,
-                         "draft_tokens_per_step": result.draft_tokens_per_step,
-                         "decode_steps": result.decode_steps, "seconds": time.perf_counter() - start})
-        print(f"\n{form}: {len(traces)} prompts, {args.max_tokens} tokens, store {store.path.name} "
-              f"({store.manifest.num_tokens / 1e6:.1f}M tokens)")
-        print(f"{'variant':58s} {'honest':>7s} {'drafted/step':>13s}")
-        for row in rows:
-            print(f"{row['variant']:58s} {row['honest_tokens_per_step']:7.3f} {row['draft_tokens_per_step']:13.2f}")
+        rows = score(traces, variants)
+        print_rows(f"{form}: {len(traces)} prompts, {args.max_tokens} tokens, store {store.path.name} "
+                   f"({store.manifest.num_tokens / 1e6:.1f}M tokens)", rows)
         out = RESULTS / f"replay_{form}_n{len(traces)}_t{args.max_tokens}{'_' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps({"form": form, "prompts": len(traces), "max_tokens": args.max_tokens,
                                    "k": args.k, "datastore": str(store.path),

@@ -1,43 +1,88 @@
-// A small thread pool-free parallel-for: the calling thread plus (num_threads - 1) workers
-// split [0, n) into contiguous chunks. Callers release the GIL before using it.
+// parallel_for on a persistent, process-wide thread pool.
+//
+// The pool is created on first use; its workers sleep on a condition variable between calls,
+// so thread-local workspaces (e.g. REST's trie) persist from one call to the next. A kernel
+// states its work and the work worth one thread (its grain): below two grains, or with one
+// thread allowed, it runs on the calling thread alone. Callers release the GIL first.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <exception>
-#include <thread>
-#include <vector>
+#include <mutex>
 
 namespace vrs {
 
-inline int resolve_num_threads(int requested, long n_items) {
-  int threads = requested > 0 ? requested : static_cast<int>(std::thread::hardware_concurrency());
-  threads = std::max(1, threads);
-  return static_cast<int>(std::min<long>(threads, std::max<long>(1, n_items)));
-}
+// Cores this process may run on (its CPU affinity), at least 1.
+int available_cores();
 
-template <typename Fn>
-void parallel_for(long n_items, int num_threads, Fn&& fn) {
-  const int threads = resolve_num_threads(num_threads, n_items);
-  if (threads <= 1 || n_items <= 1) {
-    for (long i = 0; i < n_items; ++i) fn(i);
-    return;
+// How a kernel may split: at most `max_threads` threads (0: one per available core) and at
+// most one per `grain` units of its `work`.
+struct ThreadPlan {
+  int max_threads;
+  int64_t work;
+  int64_t grain;
+
+  int threads(int64_t n_items) const {
+    const int64_t most = grain > 0 ? std::min(work / grain, n_items) : n_items;
+    if (most <= 1 || max_threads == 1) return 1;  // no affinity query on the small-batch path
+    const int64_t cap = max_threads > 0 ? max_threads : available_cores();
+    return static_cast<int>(std::min(cap, most));
   }
-  std::vector<std::thread> workers;
-  std::vector<std::exception_ptr> errors(threads);
-  const long chunk = (n_items + threads - 1) / threads;
-  auto run_chunk = [&](int t) {
+};
+
+// Runs task(context), which must not throw, on the caller and on up to participants - 1 pool
+// workers, those that wake before the caller's own run returns; returns once all have returned.
+// Returns false, running nothing, when another call holds the pool (a second Python thread, or
+// a nested call): the caller then runs alone.
+bool run_on_pool(int participants, void (*task)(void*) noexcept, void* context);
+
+namespace detail {
+
+// Items [0, n) handed out in chunks to whichever participant asks next; the first exception
+// stops the hand-out and is rethrown to the caller.
+template <typename Fn>
+struct SharedLoop {
+  Fn& fn;
+  int64_t n_items;
+  int64_t chunk;
+  std::atomic<int64_t> next{0};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+
+  SharedLoop(Fn& fn_, int64_t n_items_, int64_t chunk_)
+      : fn(fn_), n_items(n_items_), chunk(chunk_) {}
+
+  static void run(void* self) noexcept { static_cast<SharedLoop*>(self)->drain(); }
+
+  void drain() noexcept {
     try {
-      const long end = std::min(n_items, (t + 1) * chunk);
-      for (long i = t * chunk; i < end; ++i) fn(i);
+      for (int64_t begin; (begin = next.fetch_add(chunk)) < n_items;)
+        for (int64_t i = begin, end = std::min(n_items, begin + chunk); i < end; ++i) fn(i);
     } catch (...) {
-      errors[t] = std::current_exception();
+      next.store(n_items);
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
     }
-  };
-  for (int t = 1; t < threads; ++t) workers.emplace_back(run_chunk, t);
-  run_chunk(0);
-  for (auto& worker : workers) worker.join();
-  for (auto& error : errors)
-    if (error) std::rethrow_exception(error);
+  }
+};
+
+}  // namespace detail
+
+// fn(i) for every i in [0, n_items), on plan.threads(n_items) threads (the caller included).
+template <typename Fn>
+void parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
+  const int threads = plan.threads(n_items);
+  if (threads > 1) {
+    const int64_t chunk = std::max<int64_t>(1, n_items / (8 * threads));
+    detail::SharedLoop<Fn> loop(fn, n_items, chunk);
+    if (run_on_pool(threads, &detail::SharedLoop<Fn>::run, &loop)) {
+      if (loop.error) std::rethrow_exception(loop.error);
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n_items; ++i) fn(i);
 }
 
 }  // namespace vrs

@@ -13,23 +13,25 @@
 
 namespace vrs {
 
+// Every field starts at zero, which check_rest_params rejects: callers set them all
+// (kernels/rest.py copies its RestParams, which holds the defaults).
 struct RestParams {
-  int n_min;                 // shortest suffix that may match
-  int n_max;                 // longest suffix tried
-  int max_matches;           // datastore continuations per request (evenly sampled)
-  int cont_len;              // tokens per continuation
-  int top_k;                 // tree nodes kept
-  int chain_len;             // longest chain
-  double min_ratio;          // chain stops when weight(child) / weight(parent) < min_ratio
-  bool use_datastore;
-  bool use_context;
-  double context_weight;     // weight of one context continuation (a datastore one weighs 1)
-  int context_max_matches;   // most recent context occurrences used (<= kMaxContextMatches)
+  int n_min = 0;                // shortest suffix that may match
+  int n_max = 0;                // longest suffix tried
+  int max_matches = 0;          // datastore continuations per request (evenly sampled)
+  int cont_len = 0;             // tokens per continuation
+  int top_k = 0;                // tree nodes kept (0: no tree)
+  int chain_len = 0;            // longest chain
+  double min_ratio = 0;         // chain stops when weight(child) / weight(parent) < min_ratio
+  bool use_datastore = false;
+  bool use_context = false;
+  double context_weight = 0;    // weight of one context continuation (a datastore one weighs 1)
+  int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
 };
 
 // Per-request outputs (views into the caller's arrays).
 struct RestOutput {
-  int32_t* tree_tokens;   // [top_k]
+  int32_t* tree_tokens;   // [top_k] or nullptr when top_k == 0 (as are the next two)
   int32_t* tree_parents;  // [top_k], -1 = child of the root
   int32_t* tree_size;     // scalar
   int32_t* chain_tokens;  // [chain_len]
@@ -46,6 +48,7 @@ struct SuffixIndex {
   uint32_t separator;
   // Optional: offsets[t] = suffixes starting with a token below t (t < num_offsets), so the
   // suffixes starting with t are [offsets[t], offsets[t + 1]); narrows every binary search.
+  // Read from disk: every range is clamped into [0, size].
   const int64_t* offsets = nullptr;
   int64_t num_offsets = 0;
 
@@ -54,16 +57,21 @@ struct SuffixIndex {
     if (offsets == nullptr) {
       *lo = 0;
       *hi = size;
-    } else if (t < 0 || t + 1 >= num_offsets) {
+    } else if (t < 0 || static_cast<int64_t>(t) + 1 >= num_offsets) {
       *lo = *hi = 0;
     } else {
-      *lo = offsets[t];
-      *hi = offsets[t + 1];
+      *lo = std::clamp<int64_t>(offsets[t], 0, size);
+      *hi = std::clamp<int64_t>(offsets[t + 1], *lo, size);
     }
   }
 
-  // <0, 0, >0: the suffix at pos against query q[0..len) (0: q is a prefix of the suffix).
+  // Whether a suffix-array entry (read from disk) is a position of the store.
+  bool valid(int64_t pos) const { return pos >= 0 && pos < size; }
+
+  // <0, 0, >0: the suffix at pos against query q[0..len) (0: q is a prefix of the suffix);
+  // an invalid pos sorts first.
   int compare(int64_t pos, const int32_t* q, int len) const {
+    if (!valid(pos)) return -1;
     for (int i = 0; i < len; ++i) {
       if (pos + i >= size) return -1;
       const uint32_t t = static_cast<uint32_t>(tokens[pos + i]);
@@ -194,16 +202,14 @@ class ContinuationTrie {
       if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
       return ranks_before(a, b);
     });
+    // A parent is shallower than its children, so it is written (and positioned) first.
     const int k = static_cast<int>(chosen.size());
+    if (position_.size() < nodes_.size()) position_.resize(nodes_.size());
     for (int i = 0; i < k; ++i) {
       const Node& node = nodes_[chosen[i]];
+      position_[chosen[i]] = i;
       tokens[i] = node.token;
-      parents[i] = -1;
-      for (int j = i - 1; node.parent != 0 && j >= 0; --j)
-        if (chosen[j] == node.parent) {
-          parents[i] = j;
-          break;
-        }
+      parents[i] = node.parent == 0 ? -1 : position_[node.parent];
     }
     return k;
   }
@@ -251,6 +257,7 @@ class ContinuationTrie {
   std::vector<int32_t> lengths_;
   std::vector<int32_t> scratch_;
   std::vector<int32_t> chosen_;
+  std::vector<int32_t> position_;  // trie node -> index in the selected tree
 };
 
 // Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is
@@ -296,10 +303,11 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, i
   std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(take) * prm.cont_len);
   std::vector<int32_t>& lengths = trie.length_buffer(take);
   for (int j = 0; j < take; ++j) {
-    const int64_t pos = static_cast<int64_t>(index->suffix_array[lo + (j * found) / take]) + ds_len;
+    const int64_t entry = static_cast<int64_t>(index->suffix_array[lo + (j * found) / take]);
+    const int64_t pos = entry + ds_len;
     Tok* dst = buffer.data() + static_cast<size_t>(j) * prm.cont_len;
     int len = 0;
-    while (len < prm.cont_len && pos + len < index->size &&
+    while (index->valid(entry) && len < prm.cont_len && pos + len < index->size &&
            static_cast<uint32_t>(index->tokens[pos + len]) != index->separator) {
       dst[len] = index->tokens[pos + len];
       ++len;
@@ -323,7 +331,8 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, i
     }
   }
   auto t3 = clock::now();
-  *out.tree_size = trie.select_tree(prm.top_k, out.tree_tokens, out.tree_parents);
+  if (out.tree_size != nullptr)
+    *out.tree_size = trie.select_tree(prm.top_k, out.tree_tokens, out.tree_parents);
   *out.chain_size = trie.select_chain(prm.chain_len, prm.min_ratio, out.chain_tokens);
   auto t4 = clock::now();
 

@@ -1,5 +1,5 @@
 // Counter-based uniforms shared by the CPU and CUDA kernels and mirrored bit for bit by the
-// Python reference (vllm_retrieval_spec/kernels/tree.py: uniform):
+// Python reference (vllm_retrieval_spec/kernels/tree_reference.py: uniform):
 //
 //   u(seed, counter) = (splitmix64(seed ^ (counter * 0x9E3779B97F4A7C15 + 1)) >> 11) * 2^-53
 //

@@ -2,7 +2,7 @@
 // accept a path and emit one more token. Shared by the CPU (one request per task, CpuOps below)
 // and CUDA (one request per block, BlockOps in tree_cuda.cu): the walk, its draw order and every
 // floating-point operation are the same, so both backends and the NumPy reference
-// (vllm_retrieval_spec/kernels/tree.py) agree exactly.
+// (vllm_retrieval_spec/kernels/tree_reference.py) agree exactly.
 //
 // Layout: request b owns draft nodes [offsets[b], offsets[b+1]) (tokens, parents as in
 // tree_pack.h) and score rows from row_offsets[b] = offsets[b] + b: row 0 is the target after

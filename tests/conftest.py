@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 
-from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)  # before anything imports vLLM
 
@@ -21,6 +21,9 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     shutdown_llm,
 )
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 E2E_PROMPTS = 20
 E2E_MAX_TOKENS = 64
@@ -64,7 +67,7 @@ def e2e_prompts() -> list[str]:
 
 
 @contextlib.contextmanager
-def running_engine(spec: EngineSpec) -> Iterator[Any]:
+def running_engine(spec: EngineSpec) -> Iterator[LLM]:
     """An in-process engine that is always shut down (the next one needs a clean slate)."""
     llm = build_llm(spec)
     try:
@@ -73,7 +76,7 @@ def running_engine(spec: EngineSpec) -> Iterator[Any]:
         shutdown_llm(llm)
 
 
-def generate_both_ways(llm: Any, prompts: list[str]) -> dict[str, GenerationRun]:
+def generate_both_ways(llm: LLM, prompts: list[str]) -> dict[str, GenerationRun]:
     """Greedy generations at batch 1 and with CONCURRENT requests in flight."""
     return {
         "batch1": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=1),
@@ -95,5 +98,10 @@ def assert_same_token_ids(expected: GenerationRun, actual: GenerationRun) -> Non
         assert got.prompt_ids == want.prompt_ids, f"prompt {index}: prompt ids differ"
         assert got.output_ids == want.output_ids, (
             f"prompt {index}: output token ids differ from no speculation at position "
-            f"{next((i for i, (a, b) in enumerate(zip(want.output_ids, got.output_ids)) if a != b), min(len(want.output_ids), len(got.output_ids)))}"
+            f"{first_difference(want.output_ids, got.output_ids)}"
         )
+
+
+def first_difference(want: list[int], got: list[int]) -> int:
+    """The first position where two token lists differ (the shorter length if one is a prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_retrieval_spec.kernels import context_ngram, context_ngram_reference, extension_backends
+from vllm_retrieval_spec.kernels import context_ngram, extension_backends
+from vllm_retrieval_spec.kernels.context_ngram_reference import context_ngram_reference
 
 
 def pack(contexts: list[list[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -138,11 +137,51 @@ def test_corrupt_manifest_is_named(built_store):
         TokenDatastore.open(built_store)
 
 
+def rewrite_manifest(store_dir: Path, drop: tuple[str, ...] = (), **changes: object) -> None:
+    """Change or ``drop`` keys of a store's manifest."""
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    manifest.update(changes)
+    for key in drop:
+        del manifest[key]
+    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"token_dtype": "float32"},
+      r"manifest\.json: 'token_dtype' is 'float32', not one of the dtypes uint16, uint32; rebuild the datastore"),
+     ({"suffix_array_dtype": "uint8"},
+      r"manifest\.json: 'suffix_array_dtype' is 'uint8', not one of the dtypes int32, int64; rebuild the datastore"),
+     ({"num_tokens": "12"}, r"manifest\.json is corrupt \('num_tokens' is '12'\); rebuild the datastore"),
+     ({"format_version": 99}, r"manifest\.json has format version 99, this package reads version 1; rebuild"),
+     ({"extra": 1}, r"manifest\.json is corrupt \(.*unexpected keyword argument 'extra'\)")],
+)
+def test_bad_manifest_values_name_the_manifest_and_key(built_store, changes, message):
+    rewrite_manifest(built_store, **changes)
+    with pytest.raises(DatastoreError, match=message):
+        TokenDatastore.open(built_store)
+
+
+def test_a_missing_manifest_key_is_named(built_store):
+    rewrite_manifest(built_store, drop=("token_dtype",))
+    with pytest.raises(DatastoreError, match=r"manifest\.json is corrupt \(missing key\(s\) 'token_dtype'\)"):
+        TokenDatastore.open(built_store)
+
+
+def test_a_suffix_array_of_the_wrong_length_names_the_file_and_sizes(built_store):
+    manifest = json.loads((built_store / "manifest.json").read_text())
+    path = built_store / "suffix_array.bin"
+    path.write_bytes(path.read_bytes() + b"\0" * 4)
+    expected = 4 * manifest["num_tokens"]
+    with pytest.raises(DatastoreError, match=rf"suffix_array\.bin is truncated or corrupt: {expected + 4} bytes, the "
+                                             rf"manifest says {manifest['num_tokens']} x int32 = {expected} bytes"):
+        TokenDatastore.open(built_store)
+
+
 def test_content_differing_from_the_manifest_fails_the_full_check(built_store):
-    manifest_path = built_store / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["tokens.bin"]["sha256"] = "0" * 64
-    manifest_path.write_text(json.dumps(manifest))
+    files = json.loads((built_store / "manifest.json").read_text())["files"]
+    files["tokens.bin"]["sha256"] = "0" * 64
+    rewrite_manifest(built_store, files=files)
     store = TokenDatastore.open(built_store)
     with pytest.raises(DatastoreError, match=r"tokens\.bin is corrupt: sha256"):
         store.check_fully()

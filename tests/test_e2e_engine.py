@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, generate_both_ways, running_engine
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
 from vllm_retrieval_spec.evaluation.metrics import summarize
+
+from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, generate_both_ways, running_engine
 
 pytestmark = pytest.mark.engine
 
 K = 4
 TREE_NODES = 16
+
+
+def flush_finished_requests(llm) -> None:
+    """One more engine step: the scheduler tells the runner about the requests that finished
+    in the last step (a server's engine loop does this by itself)."""
+    llm.llm_engine.step()
 
 
 def speculative(model_dir, proposer: str, options: dict | None = None, k: int = K) -> EngineSpec:
@@ -54,7 +59,7 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
 
 def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e_prompts, baseline_runs):
     options = {"ngram_table": str(ngram_table_dir)}
-    with running_engine(speculative(model_dir, "vllm_retrieval_spec.NGramProposer", options)) as llm:
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.NGrammysProposer", options)) as llm:
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)
     for mode, run in runs.items():
@@ -63,24 +68,43 @@ def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e
     assert drafter.stats.failures == 0
 
 
-@pytest.mark.parametrize("proposer", ["RestProposer", "NGramProposer"])
+@pytest.mark.parametrize("proposer", ["RestProposer", "NGrammysProposer"])
 def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_table_dir, e2e_prompts, baseline_runs):
     """Branching draft trees verified in one step (tree mask, depth positions, KV compaction)
     give exactly the greedy token ids of no speculation, at batch 1 and 8 in flight."""
-    from vllm_retrieval_spec.verification.runner_hooks import STATS
-
     source = {"datastore": str(code_store)} if proposer == "RestProposer" else {"ngram_table": str(ngram_table_dir)}
-    before = dataclasses.replace(STATS)
     spec = speculative(model_dir, f"vllm_retrieval_spec.{proposer}", {**source, "tree": True}, k=TREE_NODES)
     with running_engine(spec) as llm:
         runs = generate_both_ways(llm, e2e_prompts)
+        flush_finished_requests(llm)
         drafter = drafter_of(llm)
     for mode, run in runs.items():
         assert_same_token_ids(baseline_runs[mode], run)
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0
-    assert STATS.tree_steps > before.tree_steps, "no step verified a branching tree"
-    assert STATS.compacted_slots > before.compacted_slots, "no accepted path needed KV compaction"
+    stats = drafter.session.stats
+    assert stats.tree_steps > 0, "no step verified a branching tree"
+    assert stats.compacted_slots > 0, "no accepted path needed KV compaction"
+    assert drafter.session.requests == {}, "finished requests left state behind"
+
+
+def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2e_prompts, baseline_runs):
+    """Tree mode, then chain mode, then tree mode again in one process: every engine stays
+    exact and counts (and checks its KV layout) in its own session."""
+    prompts, expected = e2e_prompts[:6], baseline_runs["concurrent"]
+    sessions = []
+    for tree in (True, False, True):
+        options = {"datastore": str(code_store), "tree": tree}
+        with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
+            run = generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)
+            flush_finished_requests(llm)
+            sessions.append(drafter_of(llm).session)
+        assert [r.output_ids for r in run.records] == [r.output_ids for r in expected.records[:6]], f"tree={tree}"
+    first, chain, last = sessions
+    assert first is not last and first.tree_mode and last.tree_mode and not chain.tree_mode
+    assert first.layout_checked and last.layout_checked and not chain.layout_checked
+    assert first.stats.tree_steps > 0 and last.stats.tree_steps > 0 and chain.stats.tree_steps == 0
+    assert all(session.requests == {} for session in sessions)
 
 
 def test_tree_verification_samples_at_temperature(model_dir, code_store, e2e_prompts):
@@ -88,8 +112,9 @@ def test_tree_verification_samples_at_temperature(model_dir, code_store, e2e_pro
 
     options = {"datastore": str(code_store), "tree": True}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
-        run = generate(llm, e2e_prompts[:8], E2E_MAX_TOKENS, concurrency=CONCURRENT, temperature=0.8, seed=7, ignore_eos=True)
-        with pytest.raises(VLLMValidationError, match="retrieval_spec.tree"):
+        run = generate(llm, e2e_prompts[:8], E2E_MAX_TOKENS, concurrency=CONCURRENT, temperature=0.8, seed=7,
+                       ignore_eos=True)
+        with pytest.raises(VLLMValidationError, match=r"presence_penalty cannot be used .*\(retrieval_spec\.tree\)"):
             generate(llm, e2e_prompts[:1], 8, presence_penalty=0.5)
     assert run.counters.accepted_tokens > 0
     assert all(len(record.output_ids) == E2E_MAX_TOKENS for record in run.records)

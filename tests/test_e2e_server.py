@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids
 from vllm_retrieval_spec.evaluation.client import openai_client, run_prompts
-from vllm_retrieval_spec.evaluation.engine import GenerationRun
-from vllm_retrieval_spec.evaluation.server import VllmServer
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, GenerationRun, generate
+from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
+from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
+
+from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, running_engine
 
 pytestmark = pytest.mark.server
 
@@ -31,20 +35,46 @@ def test_server_outputs_equal_no_speculation(rest_server, e2e_prompts, baseline_
     assert counters.accepted_tokens > 0
 
 
-def test_models_endpoint_and_chat_work(rest_server):
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def chat_baseline(model_dir) -> GenerationRecord:
+    """The chat prompt (rendered with the model's template) generated without speculation."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True)
+    with running_engine(EngineSpec(model_dir, max_num_seqs=1)) as llm:
+        return generate(llm, [prompt], CHAT_MAX_TOKENS).records[0]
+
+
+def test_models_endpoint_and_chat_reply_equal_no_speculation(rest_server, chat_baseline):
     client = openai_client(rest_server.base_url)
     assert [m.id for m in client.models.list().data] == ["smol"]
     reply = client.chat.completions.create(
-        model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16, temperature=0.0,
+        model="smol", messages=CHAT, max_tokens=CHAT_MAX_TOKENS, temperature=0.0,
+        extra_body={"return_token_ids": True},
     )
-    assert "Paris" in reply.choices[0].message.content
+    choice = reply.choices[0]
+    assert reply.model_extra["prompt_token_ids"] == chat_baseline.prompt_ids  # the same chat template
+    assert choice.model_extra["token_ids"] == chat_baseline.output_ids  # speculation is lossless
+    assert reply.usage.completion_tokens == len(chat_baseline.output_ids)
+    assert choice.finish_reason == ("length" if len(chat_baseline.output_ids) == CHAT_MAX_TOKENS else "stop")
 
 
-def test_bad_options_stop_the_server_with_the_option_named(model_dir):
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"context_ngram_mx": 3}, r"unknown option\(s\) 'context_ngram_mx' in additional_config\['retrieval_spec'\]"),
+     ({"k": 4}, r"option 'k' was renamed to 'ngrammys_drafts'")],
+)
+def test_bad_options_stop_the_server_with_the_option_named(model_dir, options, message):
     spec = {"model": "vllm_retrieval_spec.PromptLookupProposer", "num_speculative_tokens": 4}
-    server = VllmServer(model_dir, speculative_config=spec,
-                        additional_config={"retrieval_spec": {"context_ngram_mx": 3}})
-    with pytest.raises(Exception, match="context_ngram_mx"):
-        server.start(timeout_s=240)
-    server.stop()
+    server = VllmServer(model_dir, speculative_config=spec, additional_config={"retrieval_spec": options})
+    try:
+        with pytest.raises(ServerError, match=r"the server exited with code 1\n") as failure:
+            server.start(timeout_s=240)
+    finally:
+        server.stop()
+    assert re.search(rf"vllm-retrieval-spec serve: --additional-config: {message}", str(failure.value))

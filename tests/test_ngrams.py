@@ -5,19 +5,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import (
+    BIGRAM_PROBS,
+    BIGRAM_TOKENS,
+    EXTENDED,
     ModelIdentity,
     NgramTable,
     NgramTableError,
     bigram_top_k,
     extend_bigram,
 )
+from vllm_retrieval_spec.storage import write_manifest
 
 
 def test_extended_bigram_follows_the_greedy_bigram():
@@ -87,14 +93,14 @@ def test_table_rows_are_the_models_own_bigram_and_deterministic(model_dir, ngram
     assert np.array_equal(again_tokens, table.bigram_tokens[:1024])
     assert np.array_equal(again_probs, table.bigram_probs[:1024])
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prefix + [1604]])).logits[0, -1]
+        logits = model(input_ids=torch.tensor([[*prefix, 1604]])).logits[0, -1]
     assert int(logits.argmax()) == int(table.bigram_tokens[1604, 0])
     assert len(np.unique(table.bigram_tokens[:, 0])) > 100  # not one attractor token for all
     assert np.all(np.diff(table.bigram_probs[:1024], axis=1) <= 0)
 
 
 def test_table_of_another_model_is_refused_at_engine_start(model_dir, ngram_table_dir, tmp_path):
-    from vllm_retrieval_spec.proposers.ngrammys import NGramProposer
+    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer
 
     other = tmp_path / "other-model"
     shutil.copytree(model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -107,7 +113,7 @@ def test_table_of_another_model_is_refused_at_engine_start(model_dir, ngram_tabl
         additional_config={"retrieval_spec": {"ngram_table": str(ngram_table_dir)}},
     )
     with pytest.raises(NgramTableError, match=r"built from model 'SmolLM2.*served model is 'other-model'"):
-        NGramProposer(vllm_config)
+        NGrammysProposer(vllm_config)
 
 
 def test_missing_or_truncated_tables_are_named(ngram_table_dir, tmp_path):
@@ -124,6 +130,78 @@ def test_missing_or_truncated_tables_are_named(ngram_table_dir, tmp_path):
 def test_ngram_options_are_validated():
     from vllm_retrieval_spec.options import OptionsError, RetrievalSpecOptions
 
-    with pytest.raises(OptionsError, match=r"retrieval_spec\.mixing must be one of 'context-first'"):
-        RetrievalSpecOptions.from_dict({"mixing": "random"})
-    assert dataclasses.replace(RetrievalSpecOptions(), k=3).k == 3
+    with pytest.raises(OptionsError, match=r"retrieval_spec\.ngrammys_mixing must be one of 'context-first'"):
+        RetrievalSpecOptions.from_dict({"ngrammys_mixing": "random"})
+    assert dataclasses.replace(RetrievalSpecOptions(), ngrammys_drafts=3).ngrammys_drafts == 3
+
+
+def test_deprecated_proposer_name_warns_and_is_the_ngrammys_proposer(tmp_path):
+    import vllm_retrieval_spec
+    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer
+
+    table_dir = write_tiny_table(tmp_path / "table")
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=2),
+        model_config=SimpleNamespace(max_model_len=64, model="unused"),
+        additional_config={"retrieval_spec": {"ngram_table": str(table_dir)}},
+    )
+    served = ModelIdentity(**NgramTable.open(table_dir).manifest["model"])
+    deprecated = r"NGramProposer is deprecated; use vllm_retrieval_spec\.NGrammysProposer"
+    with mock.patch.object(ModelIdentity, "of", return_value=served), \
+            pytest.warns(DeprecationWarning, match=deprecated):
+        proposer = vllm_retrieval_spec.NGramProposer(vllm_config)
+    assert isinstance(proposer, NGrammysProposer) and proposer.table.path == table_dir
+
+
+TINY_VOCAB, TINY_K, TINY_W = 10, 3, 4
+
+
+def write_tiny_table(directory: Path, **manifest_changes: object) -> Path:
+    """A table in the on-disk format without a model: token t's bigram is t+1, t+2, ..."""
+    top = small_table(TINY_K, TINY_W).extended[:, :, 0].copy()
+    directory.mkdir(parents=True)
+    top.tofile(directory / BIGRAM_TOKENS)
+    np.full(top.shape, 1.0 / TINY_K, dtype=np.float32).tofile(directory / BIGRAM_PROBS)
+    extend_bigram(top, TINY_W).tofile(directory / EXTENDED)
+    identity = ModelIdentity("tiny", TINY_VOCAB, "c" * 64, "v" * 64)
+    manifest = {"format_version": 1, "model": dataclasses.asdict(identity), "k": TINY_K, "w": TINY_W,
+                "unigram": False, "prefix": [], "files": {}, "build": {}}
+    write_manifest(directory, {**manifest, **manifest_changes})
+    return directory
+
+
+def test_a_table_is_memory_mapped_read_only(tmp_path):
+    table = NgramTable.open(write_tiny_table(tmp_path / "table"))
+    assert (table.k, table.w) == (TINY_K, TINY_W) and table.unigram_ranking is None
+    assert table.extended.shape == (TINY_VOCAB, TINY_K, TINY_W) and table.extended[2, 0].tolist() == [3, 4, 5, 6]
+    assert isinstance(table.bigram_tokens, np.memmap) and not table.bigram_tokens.flags.writeable
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"format_version": 2}, r"has format version 2, this package reads version 1; rebuild the n-gram table"),
+     ({"k": "3"}, r"manifest\.json is corrupt \('k' is '3'\); rebuild the n-gram table"),
+     ({"model": {"name": "tiny"}}, r"manifest\.json is corrupt \(.*missing 3 required positional arguments"),
+     ({"unigram": True}, r"unigram_ranking\.bin is missing; rebuild the n-gram table")],
+)
+def test_bad_table_manifests_are_named(tmp_path, changes, message):
+    with pytest.raises(NgramTableError, match=message):
+        NgramTable.open(write_tiny_table(tmp_path / "table", **changes))
+
+
+def test_a_missing_manifest_key_is_named(tmp_path):
+    table_dir = write_tiny_table(tmp_path / "table")
+    manifest = json.loads((table_dir / "manifest.json").read_text())
+    del manifest["w"]
+    write_manifest(table_dir, manifest)
+    with pytest.raises(NgramTableError, match=r"manifest\.json is corrupt \(missing key\(s\) 'w'\)"):
+        NgramTable.open(table_dir)
+
+
+def test_a_table_file_of_the_wrong_size_is_named(tmp_path):
+    table_dir = write_tiny_table(tmp_path / "table")
+    with open(table_dir / BIGRAM_PROBS, "ab") as handle:
+        handle.write(b"\0" * 4)
+    with pytest.raises(NgramTableError, match=r"bigram_probs\.bin is truncated or corrupt: 124 bytes, the manifest "
+                                              r"says 10 x 3 x float32 = 120 bytes; rebuild the n-gram table"):
+        NgramTable.open(table_dir)

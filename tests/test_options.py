@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vllm_retrieval_spec.options import OptionsError, RetrievalSpecOptions
@@ -31,7 +33,8 @@ def test_bad_value_names_the_key_and_the_allowed_range(value):
 
 
 def test_inconsistent_values_are_rejected():
-    with pytest.raises(OptionsError, match="context_ngram_min .* must not exceed"):
+    message = r"retrieval_spec\.context_ngram_min \(5\) must not exceed retrieval_spec\.context_ngram_max \(2\)"
+    with pytest.raises(OptionsError, match=message):
         RetrievalSpecOptions.from_dict({"context_ngram_min": 5, "context_ngram_max": 2})
 
 
@@ -46,6 +49,25 @@ def test_misnamed_section_is_pointed_out():
 
 
 def test_every_option_is_described():
-    description = RetrievalSpecOptions.describe()
-    for name in ("context_ngram_min", "context_ngram_max", "context_max_matches", "num_threads"):
-        assert name in description
+    lines = RetrievalSpecOptions.describe().splitlines()
+    fields = dataclasses.fields(RetrievalSpecOptions)
+    assert [line.split(" ", 1)[0] for line in lines] == [f.name for f in fields]
+    assert lines[0] == f"context_ngram_min (default 1): {fields[0].metadata['help']}"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("k", "ngrammys_drafts"), ("w", "ngrammys_draft_len"), ("q", "ngrammys_context_len"),
+     ("mixing", "ngrammys_mixing")],
+)
+def test_renamed_option_names_its_new_name(old, new):
+    with pytest.raises(OptionsError, match=rf"option '{old}' was renamed to '{new}'"):
+        RetrievalSpecOptions.from_dict({old: 4})
+
+
+def test_ngrammys_options_are_read():
+    options = RetrievalSpecOptions.from_dict(
+        {"ngrammys_drafts": 4, "ngrammys_draft_len": 6, "ngrammys_context_len": 2, "ngrammys_mixing": "bigram-only"}
+    )
+    assert (options.ngrammys_drafts, options.ngrammys_draft_len, options.ngrammys_context_len) == (4, 6, 2)
+    assert options.ngrammys_mixing == "bigram-only"

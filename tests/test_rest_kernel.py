@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 from pydivsufsort import divsufsort
 
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
-from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve, rest_retrieve_reference
+from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
+from vllm_retrieval_spec.kernels.rest_reference import rest_retrieve_reference
+from vllm_retrieval_spec.options import RetrievalSpecOptions
 
 
 def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.int32, vocab_size=None):
@@ -19,7 +22,7 @@ def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.in
     separator = int(np.iinfo(token_dtype).max)
     flat: list[int] = []
     for document in documents:
-        flat += document + [separator]
+        flat += [*document, separator]
     tokens = np.array(flat, dtype=token_dtype)
     suffix_array = divsufsort(tokens).astype(sa_dtype) if len(tokens) else np.zeros(0, sa_dtype)
     offsets = None if vocab_size is None else first_token_offsets(tokens, separator, vocab_size)
@@ -91,7 +94,7 @@ def test_matches_stop_at_document_separators_and_the_end_of_the_store(vocab_size
     params = RestParams(n_min=1, n_max=4, cont_len=4, top_k=8, chain_len=4, min_ratio=0.0, use_context=False)
     (result,) = kernel_results(store, [[8, 1, 2]], params)
     assert result["match_info"] == [2, 0, 3]  # "1 2" three times, one at the very end
-    tree_tokens, tree_parents = result["tree"]
+    tree_tokens, _ = result["tree"]
     assert sorted(tree_tokens) == [3, 4, 5, 6, 7]
     assert result == reference_results(store, [[8, 1, 2]], params)[0]
 
@@ -145,3 +148,35 @@ def test_bad_arguments_are_rejected():
         rest_retrieve(store, tokens, lengths, np.array([0]), RestParams(n_min=3, n_max=2))
     with pytest.raises(IndexError, match="rows\\[0\\] = 4"):
         rest_retrieve(store, tokens, lengths, np.array([4]), RestParams())
+
+
+def test_defaults_are_the_served_options():
+    options = RetrievalSpecOptions()
+    for field in dataclasses.fields(RestParams):
+        if hasattr(options, field.name):
+            assert getattr(RestParams(), field.name) == getattr(options, field.name), field.name
+
+
+def test_large_trees_match_the_reference():
+    rng = np.random.default_rng(0)
+    store = make_store([rng.integers(0, 4, 40).tolist() for _ in range(30)])
+    contexts = [rng.integers(0, 4, 30).tolist() for _ in range(4)]
+    params = RestParams(n_max=3, max_matches=64, cont_len=8, top_k=200, chain_len=8, min_ratio=0.0,
+                        context_weight=2.0)
+    got = kernel_results(store, contexts, params)
+    assert got == reference_results(store, contexts, params)
+    assert max(len(result["tree"][0]) for result in got) > 100
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_corrupt_suffix_arrays_and_offsets_are_never_read_out_of_bounds(wide):
+    store = make_store([[1, 2, 3, 1, 2], [2, 1]], np.uint32 if wide else np.uint16,
+                       np.int64 if wide else np.int32, vocab_size=4)
+    size = len(store.tokens)
+    store.suffix_array[::2] = -(2**31)  # entries outside [0, size), both signs
+    store.suffix_array[1::3] = 2**31 - 1
+    store.first_token_offsets[:] = [size * 4, -size, 2 * size, -1, size * 9][: len(store.first_token_offsets)]
+    contexts = [[1, 2], [2, 1, 2], [3], [0, 1, 2, 3]]
+    params = RestParams(n_max=4, max_matches=8, cont_len=4, top_k=8, chain_len=4)
+    for result in kernel_results(store, contexts, params):  # anything, but no crash
+        assert_tree_is_parents_first(*result["tree"])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_retrieval_spec.drafts import DraftTree
 from vllm_retrieval_spec.verification.tree_attention import (
     KVLayout,
     TreeAttentionError,
@@ -21,10 +22,11 @@ from vllm_retrieval_spec.verification.tree_attention import (
     compact_kv,
     read_slots,
 )
-from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
+from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 40
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 
 def write_slot(cache: torch.Tensor, layout: KVLayout, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -38,6 +40,14 @@ def write_slot(cache: torch.Tensor, layout: KVLayout, slot: int, k: torch.Tensor
     for d in range(HEAD_SIZE):
         flat[:, d * BLOCK_SIZE + offset] = k[:, d]
     flat[:, BLOCK_SIZE * HEAD_SIZE + offset * HEAD_SIZE : BLOCK_SIZE * HEAD_SIZE + (offset + 1) * HEAD_SIZE] = v
+
+
+def ancestors_or_self(tree: DraftTree, node: int) -> list[int]:
+    seen = []
+    while node >= 0:
+        seen.append(node)
+        node = tree.parents[node]
+    return sorted(seen)
 
 
 class Batch:
@@ -63,8 +73,9 @@ class Batch:
         self.query = torch.randn(self.num_tokens, HEADS * HEAD_SIZE, generator=gen)
         self.key = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
         self.value = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
-        self.plan = TreeStepPlan.build([(row, starts[row], trees[row]) for row in range(2)])
-        self.seq_lens = torch.tensor([c + len(t.tokens) for c, t in zip(contexts, trees)], dtype=torch.int32)
+        self.trees, self.starts = trees, starts
+        self.plan = TreeStepPlan.build(trees, np.array(starts))
+        self.context_lens = np.array(contexts)
         self.impl = SimpleNamespace(num_heads=HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
 
     def slot(self, row: int, position: int) -> int:
@@ -73,10 +84,10 @@ class Batch:
     def reference_rows(self) -> dict[int, torch.Tensor]:
         """Dense attention of every draft node over its context, ancestors and itself."""
         expected = {}
-        for request, (ctx_k, ctx_v) in zip(self.plan.requests, self.context_kv):
-            for node in range(request.num_nodes):
-                flat = request.query_start + 1 + node
-                seen = [request.query_start + 1 + j for j in range(request.num_nodes) if request.visible[node, j]]
+        for tree, start, (ctx_k, ctx_v) in zip(self.trees, self.starts, self.context_kv):
+            for node in range(len(tree.tokens)):
+                flat = start + 1 + node
+                seen = [start + 1 + j for j in ancestors_or_self(tree, node)]
                 k = torch.cat([ctx_k, self.key[seen].view(-1, KV_HEADS, HEAD_SIZE)])
                 v = torch.cat([ctx_v, self.value[seen].view(-1, KV_HEADS, HEAD_SIZE)])
                 q = self.query[flat].view(HEADS, HEAD_SIZE)
@@ -91,7 +102,7 @@ class Batch:
 def test_tree_rows_match_dense_attention(layout, device):
     batch = Batch(layout)
     output = torch.full((batch.num_tokens, HEADS * HEAD_SIZE), 7.0, device=device)
-    rows = TreeRows.build(batch.plan.requests, batch.seq_lens.to(device), batch.blocks.to(device), BLOCK_SIZE)
+    rows = TreeRows.build(batch.plan, batch.context_lens, batch.blocks.to(device), BLOCK_SIZE)
     inputs = (t.to(device) for t in (batch.query, batch.key, batch.value, batch.cache))
     apply_tree_attention(batch.impl, *inputs, layout, output, rows)
     output, expected = output.cpu(), batch.reference_rows()

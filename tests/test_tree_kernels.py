@@ -9,13 +9,15 @@ from vllm_retrieval_spec.kernels import extension_backends
 from vllm_retrieval_spec.kernels.tree import (
     AcceptRule,
     accept_trees,
+    pack_tree_masks,
+    tree_depths,
+    tree_row_offsets,
+)
+from vllm_retrieval_spec.kernels.tree_reference import (
     accept_trees_reference,
     canonical_sample,
     canonical_total,
-    pack_tree_masks,
     pack_tree_masks_reference,
-    tree_depths,
-    tree_row_offsets,
     uniform,
 )
 

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from distributions import chi2_pvalue, chi2_sf
 
 from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees
 
@@ -23,30 +24,6 @@ Q_CHILD = np.array([0.30, 0.10, 0.10, 0.10, 0.10, 0.10, 0.05, 0.05, 0.10])
 # Per trial: root -> children 0, 1, 2; child 0 -> grandchildren 3, 4.
 PARENTS = [-1, -1, -1, 0, 0]
 FIXED_TOKENS = [1, 3, 8, 4, 1]  # rule 1: deterministic candidates (8 has no target mass)
-
-
-def chi2_sf(statistic: float, dof: int) -> float:
-    """Upper tail of the chi-squared distribution (series of the regularised gamma P)."""
-    a, x = dof / 2, statistic / 2
-    if x > 500:  # far in the tail (dof here is < 10); the series would overflow
-        return 0.0
-    term = total = 1.0 / a
-    for n in range(1, 10000):
-        term *= x / (a + n)
-        total += term
-        if term < total * 1e-17:
-            break
-    return 1.0 - math.exp(a * math.log(x) - x - math.lgamma(a)) * total if x > 0 else 1.0
-
-
-def chi2_pvalue(samples: np.ndarray, weights: np.ndarray) -> float:
-    """p-value of samples against the normalised weights; impossible tokens must not occur."""
-    counts = np.bincount(samples, minlength=len(weights))
-    assert len(counts) == len(weights) and (counts[weights == 0] == 0).all(), counts
-    possible = weights > 0
-    expected = len(samples) * weights[possible] / weights.sum()
-    statistic = float(((counts[possible] - expected) ** 2 / expected).sum())
-    return chi2_sf(statistic, int(possible.sum()) - 1)
 
 
 def draft_tokens(rule: AcceptRule, rng: np.random.Generator) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vllm_retrieval_spec.drafts import ChainDrafts
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 from vllm_retrieval_spec.proposers.prompt_lookup import PromptLookupProposer
 
@@ -19,4 +20,4 @@ class OverlongProposer(DraftProposer):
     """Always drafts far more than K tokens of a fixed token: must be cut to the budget."""
 
     def draft(self, batch: DraftBatch):
-        return [[1] * (3 * self.num_speculative_tokens) for _ in range(len(batch))]
+        return ChainDrafts.from_lists([[1] * (3 * self.num_speculative_tokens)] * len(batch))

@@ -9,14 +9,18 @@ never draft. Proposers are addressed in ``--speculative-config`` as
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.proposers.base import DraftProposer
 
 __version__ = "0.1.0"
 
 _PROPOSERS = {
     "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
     "RestProposer": "vllm_retrieval_spec.proposers.rest",
-    "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",
+    "NGrammysProposer": "vllm_retrieval_spec.proposers.ngrammys",
+    "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",  # deprecated alias of NGrammysProposer
 }
 
 __all__ = ["__version__", "register", *_PROPOSERS]
@@ -29,7 +33,7 @@ def register() -> None:
     apply_patches()
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[DraftProposer]:
     module = _PROPOSERS.get(name)
     if module is None:
         raise AttributeError(f"module 'vllm_retrieval_spec' has no attribute {name!r}")

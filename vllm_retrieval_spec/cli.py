@@ -22,13 +22,10 @@ from collections.abc import Sequence
 
 def serve(vllm_args: Sequence[str]) -> None:
     """Run ``vllm serve`` with our plugin in the same interpreter."""
-    from vllm_retrieval_spec.evaluation.engine import configure_vllm_environment
+    from vllm_retrieval_spec.compat import configure_vllm_environment, require_supported_vllm
 
     configure_vllm_environment(in_process=False)
-    from vllm_retrieval_spec.integration.vllm_patches import (
-        patch_distribution_version_lookup,
-        require_supported_vllm,
-    )
+    from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
 
     patch_distribution_version_lookup()
     require_supported_vllm()
@@ -151,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="serve the real model with/without speculation and compare")
     demo.add_argument("--prompts", type=int, default=8, help="HumanEval prompts to send (default 8)")
     demo.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    demo.add_argument("--proposer", default="RestProposer", help="class in vllm_retrieval_spec")
+    demo.add_argument("--proposer", default="RestProposer",
+                      help="class in vllm_retrieval_spec: RestProposer, NGrammysProposer or PromptLookupProposer")
     demo.add_argument("--datastore", default="python-code", help="REST datastore: recipe name or directory")
     demo.add_argument("--num-speculative-tokens", type=int, default=8)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")

@@ -6,7 +6,10 @@ acceptance figures, speed and that the outputs are identical."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store
 from vllm_retrieval_spec.evaluation.client import ClientRun, openai_client, run_prompts
@@ -18,6 +21,8 @@ from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 
 @dataclass
 class DemoResult:
+    """One server configuration's answers and acceptance figures."""
+
     label: str
     run: ClientRun
     summary: AcceptanceSummary
@@ -27,7 +32,8 @@ class DemoResult:
         return self.summary.generated_tokens / self.run.seconds
 
 
-def _serve_and_ask(model, label, speculative_config, additional_config, prompts, max_tokens) -> DemoResult:
+def _serve_and_ask(model: Path, label: str, speculative_config: Mapping[str, Any] | None,
+                   additional_config: Mapping[str, Any] | None, prompts: list[str], max_tokens: int) -> DemoResult:
     print(f"\n== starting vLLM ({label}) ...", flush=True)
     with VllmServer(model, speculative_config=speculative_config, additional_config=additional_config) as server:
         client = openai_client(server.base_url)
@@ -40,6 +46,8 @@ def _serve_and_ask(model, label, speculative_config, additional_config, prompts,
 
 def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_tokens: int, show: int,
              datastore: str) -> None:
+    """Serve without and with ``proposer``, answer ``prompts`` HumanEval prompts through the
+    OpenAI client and print answers, acceptance, speed-up and whether the outputs are identical."""
     from transformers import AutoTokenizer
 
     model = ensure_smollm2_checkpoint()
@@ -59,11 +67,15 @@ def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_token
 
     for index in range(min(show, len(texts))):
         print(f"\n--- answer {index + 1} ({proposer}) ---\n{ours.run.texts[index].strip()}")
-    identical = sum(a.output_ids == b.output_ids for a, b in zip(baseline.run.records, ours.run.records))
     print(f"\nspeculative config: {json.dumps(speculative_config)}")
     if additional_config:
         print(f"additional config: {json.dumps(additional_config)}")
     print(f"{len(texts)} HumanEval prompts (chat-wrapped), {max_tokens} new tokens, greedy, batch 1")
+    _print_comparison(baseline, ours)
+
+
+def _print_comparison(baseline: DemoResult, ours: DemoResult) -> None:
+    """The figures of both runs, and a failure unless their token ids are identical."""
     print(f"{'config':24s} {'tok/s':>7s} {'honest tok/step':>16s} {'vLLM MAL':>9s} {'accept':>7s} {'speed-up':>9s}")
     for result in (baseline, ours):
         s = result.summary
@@ -72,6 +84,8 @@ def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_token
         speedup = result.tokens_per_second / baseline.tokens_per_second
         print(f"{result.label:24s} {result.tokens_per_second:7.1f} {s.honest_tokens_per_step:16.2f} "
               f"{mal:>9s} {rate:>7s} {speedup:8.2f}x")
-    print(f"identical token ids with and without speculation: {identical}/{len(texts)}")
-    if identical != len(texts):
+    identical = sum(a.output_ids == b.output_ids for a, b in zip(baseline.run.records, ours.run.records))
+    total = len(baseline.run.records)
+    print(f"identical token ids with and without speculation: {identical}/{total}")
+    if identical != total:
         raise SystemExit("speculation changed the output: this is a bug")

@@ -29,10 +29,11 @@ def find_problems() -> list[str]:
     if vllm_version is None:
         problems.append("vLLM is not installed; fix: pip install 'vllm-retrieval-spec[cpu]' (or [gpu])")
     else:
-        from vllm_retrieval_spec.integration.vllm_patches import is_supported_version
+        from vllm_retrieval_spec.compat import SUPPORTED_VLLM_MINORS, is_supported_version
 
         if not is_supported_version(vllm_version):
-            problems.append(f"vLLM {vllm_version} is not supported; install 0.32.x or 0.33.x")
+            supported = " or ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM_MINORS)
+            problems.append(f"vLLM {vllm_version} is not supported; install {supported}")
     try:
         from vllm_retrieval_spec.kernels import extension_backends
 

@@ -7,12 +7,19 @@ message that names the key and what it accepts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
+# Renamed options, old name -> new name: the old names are rejected with a message naming the new.
+RENAMED_OPTIONS = {
+    "k": "ngrammys_drafts",
+    "w": "ngrammys_draft_len",
+    "q": "ngrammys_context_len",
+    "mixing": "ngrammys_mixing",
+}
 
 
 class OptionsError(ValueError):
@@ -71,6 +78,22 @@ def _string(key: str, value: Any) -> str:
     return value
 
 
+def _check_keys(raw: Mapping[str, Any], known: Collection[str]) -> None:
+    """Reject renamed keys (naming the new names), then unknown ones (listing the known)."""
+    renamed = sorted(set(raw) & set(RENAMED_OPTIONS))
+    if renamed:
+        raise OptionsError(
+            "; ".join(f"option {old!r} was renamed to {RENAMED_OPTIONS[old]!r}" for old in renamed)
+            + f" in additional_config['{OPTIONS_KEY}']"
+        )
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise OptionsError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} in "
+            f"additional_config['{OPTIONS_KEY}']; known options: {', '.join(sorted(known))}"
+        )
+
+
 def _option(default: Any, validator: Validator, help: str) -> Any:
     return field(default=default, metadata={"validate": validator, "help": help})
 
@@ -89,7 +112,8 @@ class RetrievalSpecOptions:
         64, _int_in(1, 256), "most recent context occurrences counted per step"
     )
     num_threads: int = _option(
-        0, _int_in(0, 1024), "threads for the C++ drafting kernels (0: one per core)"
+        0, _int_in(0, 1024), "most threads for the C++ drafting kernels (0: one per available core); small batches "
+        "run on the calling thread"
     )
     datastore: str = _option(
         "python-code", _non_empty_string,
@@ -119,12 +143,18 @@ class RetrievalSpecOptions:
     ngram_table: str = _option(
         "", _string, "N-Grammys: the model's n-gram table directory (empty: the cache default)"
     )
-    k: int = _option(10, _int_in(1, 256), "N-Grammys: drafts per request (context n-grams, then bigram)")
-    w: int = _option(8, _int_in(1, 128), "N-Grammys: tokens per draft (at most num_speculative_tokens)")
-    q: int = _option(1, _int_in(1, 8), "N-Grammys: context tokens matched to find context n-grams")
-    mixing: str = _option(
+    ngrammys_drafts: int = _option(
+        10, _int_in(1, 256), "N-Grammys: drafts per request (context n-grams, then bigram)"
+    )
+    ngrammys_draft_len: int = _option(
+        8, _int_in(1, 128), "N-Grammys: tokens per draft (at most num_speculative_tokens)"
+    )
+    ngrammys_context_len: int = _option(
+        1, _int_in(1, 8), "N-Grammys: context tokens matched to find context n-grams"
+    )
+    ngrammys_mixing: str = _option(
         "context-first", _one_of(*MIXING_POLICIES),
-        "N-Grammys: how the k drafts are filled",
+        "N-Grammys: how the ngrammys_drafts drafts are filled",
     )
 
     def __post_init__(self) -> None:
@@ -150,12 +180,7 @@ class RetrievalSpecOptions:
                 f"additional_config['{OPTIONS_KEY}'] must be a JSON object, got {raw!r}"
             )
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - set(fields))
-        if unknown:
-            raise OptionsError(
-                f"unknown option(s) {', '.join(map(repr, unknown))} in "
-                f"additional_config['{OPTIONS_KEY}']; known options: {', '.join(sorted(fields))}"
-            )
+        _check_keys(raw, fields)
         values = {key: fields[key].metadata["validate"](key, value) for key, value in raw.items()}
         return cls(**values)
 

@@ -1,14 +1,115 @@
-"""Atomic directory builds shared by every on-disk artifact (checkpoints, datastores, tables)."""
+"""On-disk artifacts (checkpoints, datastores, n-gram tables): atomic directory builds, and
+the one reader of a directory's ``manifest.json`` and of its memory-mapped binary files."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+T = TypeVar("T")
+
+
+class StorageError(RuntimeError):
+    """An on-disk artifact is missing, corrupt, truncated or of another format version."""
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """One kind of artifact directory: its name in messages ("a datastore"), format version
+    and error type, and how to build one.
+
+    ``required`` maps each manifest key to the JSON type its value must have; ``dtypes`` maps
+    each manifest key that names a numpy dtype to the dtype names this package reads.
+    """
+
+    noun: str
+    article: str
+    format_version: int
+    error: type[StorageError]
+    build_command: str
+    required: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+    dtypes: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+    def fail(self, problem: str) -> StorageError:
+        """The error to raise for ``problem`` (which names the file), with the fix appended."""
+        return self.error(f"{problem}; rebuild the {self.noun}")
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
+    """Write ``manifest.json`` (indented, one trailing newline)."""
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(directory: Path, kind: ArtifactKind) -> dict[str, Any]:
+    """Parse and validate ``directory/manifest.json``: a JSON object of ``kind``'s format
+    version whose required keys have their types and whose dtype keys name readable dtypes."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise kind.error(f"{path} not found: {directory} is not {kind.article} {kind.noun}; "
+                         f"build one with {kind.build_command}")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:
+        raise kind.fail(f"{path} is corrupt ({error})") from error
+    if not isinstance(manifest, dict):
+        raise kind.fail(f"{path} is corrupt (not a JSON object)")
+    if manifest.get("format_version") != kind.format_version:
+        raise kind.fail(f"{path} has format version {manifest.get('format_version')!r}, "
+                        f"this package reads version {kind.format_version}")
+    _check_keys(path, manifest, kind)
+    return manifest
+
+
+def _check_keys(path: Path, manifest: Mapping[str, Any], kind: ArtifactKind) -> None:
+    missing = [key for key in (*kind.required, *kind.dtypes) if key not in manifest]
+    if missing:
+        raise kind.fail(f"{path} is corrupt (missing key(s) {', '.join(map(repr, missing))})")
+    for key, expected in kind.required.items():
+        if not isinstance(manifest[key], expected):
+            raise kind.fail(f"{path} is corrupt ({key!r} is {manifest[key]!r})")
+    for key, names in kind.dtypes.items():
+        if manifest[key] not in names:
+            raise kind.fail(f"{path}: {key!r} is {manifest[key]!r}, not one of the dtypes {', '.join(names)}")
+
+
+def manifest_record(directory: Path, record_type: Callable[..., T], values: Mapping[str, Any],
+                    kind: ArtifactKind) -> T:
+    """``record_type(**values)`` for a record of a manifest; missing or unexpected keys fail
+    naming the manifest."""
+    try:
+        return record_type(**values)
+    except TypeError as error:
+        raise kind.fail(f"{Path(directory) / MANIFEST} is corrupt ({error})") from error
+
+
+def map_array(path: Path, dtype: np.dtype | str | type, shape: tuple[int, ...], kind: ArtifactKind) -> np.ndarray:
+    """Memory-map ``path`` read-only as a ``dtype`` array of ``shape``, after checking that its
+    size is exactly what the manifest promises (so truncation fails here, naming the file)."""
+    dtype = np.dtype(dtype)
+    expected = math.prod(shape) * dtype.itemsize
+    if not path.is_file():
+        raise kind.fail(f"{path} is missing")
+    actual = path.stat().st_size
+    if actual != expected:
+        raise kind.fail(f"{path} is truncated or corrupt: {actual} bytes, the manifest says "
+                        f"{' x '.join(map(str, shape))} x {dtype.name} = {expected} bytes")
+    if expected == 0:  # an empty file cannot be memory-mapped
+        empty = np.zeros(shape, dtype=dtype)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
 @contextlib.contextmanager
@@ -52,3 +153,21 @@ def sha256_of_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_records(directory: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": hex}}`` of files in ``directory`` (for a manifest)."""
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_of_file(directory / name)}
+            for name in names}
+
+
+def verify_file_records(directory: Path, records: Mapping[str, Mapping[str, Any]], kind: ArtifactKind) -> None:
+    """Re-hash every file of ``records`` (as :func:`file_records` wrote them); the first
+    mismatch fails naming the file."""
+    for name, expected in records.items():
+        if not (directory / name).is_file():
+            raise kind.fail(f"{directory / name} is missing")
+        actual = sha256_of_file(directory / name)
+        if actual != expected["sha256"]:
+            raise kind.fail(f"{directory / name} is corrupt: sha256 {actual[:16]}…, manifest says "
+                            f"{expected['sha256'][:16]}…")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
@@ -24,8 +24,11 @@ from vllm_retrieval_spec.datastores.format import (
     suffix_array_dtype_for,
     token_dtype_for,
 )
-from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
-from vllm_retrieval_spec.storage import atomic_directory, sha256_of_file
+from vllm_retrieval_spec.datastores.sources import ChatRenderer, DocumentStream, InputSpec
+from vllm_retrieval_spec.storage import atomic_directory, file_records
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class BuildReport:
         return self.bytes_on_disk / max(self.num_tokens, 1)
 
 
-def load_tokenizer(tokenizer_dir: str | Path) -> Any:
+def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerFast:
     """The fast tokenizer of a model directory."""
     from transformers import AutoTokenizer
 
@@ -93,10 +96,7 @@ def build_datastore(
             suffix_array_dtype=suffix_array_dtype_for(num_tokens).name,
             separator=separator_for(token_dtype),
             tokenizer=identity,
-            files={
-                name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of_file(tmp / name)}
-                for name in (TOKENS, SUFFIX_ARRAY)
-            },
+            files=file_records(tmp, (TOKENS, SUFFIX_ARRAY)),
             build={
                 "inputs": [
                     {"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
@@ -116,7 +116,7 @@ def build_datastore(
     return BuildReport(out_dir, num_tokens, num_documents, seconds, tokenize_seconds, sort_seconds, size)
 
 
-def _chat_renderer(tokenizer: Any):
+def _chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
 
@@ -139,7 +139,7 @@ def _batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -> Iterat
         yield batch
 
 
-def _write_tokens(tokenizer: Any, stream: DocumentStream, handle: BinaryIO, dtype: np.dtype,
+def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, handle: BinaryIO, dtype: np.dtype,
                   progress: bool) -> tuple[int, int]:
     backend = tokenizer.backend_tokenizer
     separator = np.array([separator_for(dtype)], dtype=dtype)

@@ -17,18 +17,42 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm_retrieval_spec.storage import (
+    ArtifactKind,
+    StorageError,
+    manifest_record,
+    read_manifest,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 TOKENS = "tokens.bin"
 SUFFIX_ARRAY = "suffix_array.bin"
+TOKEN_DTYPES = ("uint16", "uint32")
+SUFFIX_ARRAY_DTYPES = ("int32", "int64")
 
 
-class DatastoreError(RuntimeError):
+class DatastoreError(StorageError):
     """A datastore is missing, corrupt, truncated, or belongs to another tokenizer."""
+
+
+DATASTORE = ArtifactKind(
+    noun="datastore",
+    article="a",
+    format_version=FORMAT_VERSION,
+    error=DatastoreError,
+    build_command="`vllm-retrieval-spec datastore build --tokenizer MODEL_DIR --input ... --out DIR`",
+    required={"num_tokens": int, "num_documents": int, "separator": int, "tokenizer": dict, "files": dict,
+              "build": dict},
+    dtypes={"token_dtype": TOKEN_DTYPES, "suffix_array_dtype": SUFFIX_ARRAY_DTYPES},
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +64,7 @@ class TokenizerIdentity:
     vocab_sha256: str
 
     @classmethod
-    def of(cls, tokenizer: Any, name: str | None = None) -> TokenizerIdentity:
+    def of(cls, tokenizer: PreTrainedTokenizerBase, name: str | None = None) -> TokenizerIdentity:
         """Identity of a transformers tokenizer (hash over the sorted token -> id map)."""
         vocab = tokenizer.get_vocab()
         payload = json.dumps(sorted(vocab.items(), key=lambda item: item[1]), ensure_ascii=False)
@@ -86,25 +110,11 @@ class Manifest:
     build: dict[str, Any]
 
     def write(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_manifest(directory, asdict(self))
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
-        path = directory / MANIFEST
-        if not path.is_file():
-            raise DatastoreError(
-                f"{path} not found: {directory} is not a datastore; build one with "
-                "`vllm-retrieval-spec datastore build --tokenizer MODEL_DIR --input ... --out DIR`"
-            )
-        try:
-            raw = json.loads(path.read_text())
-            raw["tokenizer"] = TokenizerIdentity(**raw["tokenizer"])
-            manifest = cls(**raw)
-        except (ValueError, TypeError, KeyError) as error:
-            raise DatastoreError(f"{path} is corrupt ({error}); rebuild the datastore") from error
-        if manifest.format_version != FORMAT_VERSION:
-            raise DatastoreError(
-                f"{path} has format version {manifest.format_version}, this package reads "
-                f"version {FORMAT_VERSION}; rebuild the datastore"
-            )
-        return manifest
+        """The validated manifest of the datastore in ``directory``."""
+        raw = read_manifest(directory, DATASTORE)
+        tokenizer = manifest_record(directory, TokenizerIdentity, raw["tokenizer"], DATASTORE)
+        return manifest_record(directory, cls, raw | {"tokenizer": tokenizer}, DATASTORE)

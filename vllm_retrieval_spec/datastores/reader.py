@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from vllm_retrieval_spec.datastores.format import (
+    DATASTORE,
     SUFFIX_ARRAY,
     TOKENS,
     DatastoreError,
     Manifest,
     TokenizerIdentity,
 )
-from vllm_retrieval_spec.storage import sha256_of_file
+from vllm_retrieval_spec.storage import map_array, verify_file_records
 
 SAMPLED_ORDER_CHECKS = 64
 ORDER_CHECK_TOKENS = 32
@@ -48,8 +49,8 @@ class TokenDatastore:
         store = cls(
             path=path,
             manifest=manifest,
-            tokens=_map(path / TOKENS, np.dtype(manifest.token_dtype), manifest.num_tokens),
-            suffix_array=_map(path / SUFFIX_ARRAY, np.dtype(manifest.suffix_array_dtype), manifest.num_tokens),
+            tokens=map_array(path / TOKENS, manifest.token_dtype, (manifest.num_tokens,), DATASTORE),
+            suffix_array=map_array(path / SUFFIX_ARRAY, manifest.suffix_array_dtype, (manifest.num_tokens,), DATASTORE),
         )
         store.check_quickly()
         store.first_token_offsets = first_token_offsets(
@@ -79,31 +80,25 @@ class TokenDatastore:
         if n == 0:
             return
         if int(self.tokens[-1]) != self.separator:
-            raise DatastoreError(f"{self.path / TOKENS} does not end with a document separator; rebuild it")
+            raise DATASTORE.fail(f"{self.path / TOKENS} does not end with a document separator")
         for index in np.linspace(0, n - 2, num=min(SAMPLED_ORDER_CHECKS, n - 1), dtype=np.int64):
             self._check_suffix_order(int(index))
 
     def check_fully(self) -> None:
         """Checksums of every file against the manifest (reads everything once)."""
-        for name, expected in self.manifest.files.items():
-            actual = sha256_of_file(self.path / name)
-            if actual != expected["sha256"]:
-                raise DatastoreError(
-                    f"{self.path / name} is corrupt: sha256 {actual[:16]}…, manifest says "
-                    f"{expected['sha256'][:16]}…; rebuild the datastore"
-                )
+        verify_file_records(self.path, self.manifest.files, DATASTORE)
 
     def _check_suffix_order(self, index: int) -> None:
         n = self.manifest.num_tokens
         a, b = int(self.suffix_array[index]), int(self.suffix_array[index + 1])
         if not (0 <= a < n and 0 <= b < n):
-            raise DatastoreError(f"{self.path / SUFFIX_ARRAY} is corrupt: entry {index} points outside the tokens")
+            raise DATASTORE.fail(f"{self.path / SUFFIX_ARRAY} is corrupt: entry {index} points outside the tokens")
         left = self.tokens[a : a + ORDER_CHECK_TOKENS].tolist()
         right = self.tokens[b : b + ORDER_CHECK_TOKENS].tolist()
         if left > right:
-            raise DatastoreError(
+            raise DATASTORE.fail(
                 f"{self.path / SUFFIX_ARRAY} (or {TOKENS}) is corrupt: suffixes {index} and "
-                f"{index + 1} are out of order; rebuild the datastore"
+                f"{index + 1} are out of order"
             )
 
     def describe(self) -> str:
@@ -119,7 +114,9 @@ class TokenDatastore:
         ])
 
 
-def first_token_offsets(tokens: np.ndarray, separator: int, vocab_size: int, where: Path | str = "tokens") -> np.ndarray:
+def first_token_offsets(
+    tokens: np.ndarray, separator: int, vocab_size: int, where: Path | str = "tokens"
+) -> np.ndarray:
     """``offsets[t]`` = tokens below ``t`` (separators excluded, they sort last): the suffixes
     starting with ``t`` occupy ``suffix_array[offsets[t]:offsets[t + 1]]``. One pass over
     the tokens (which also warms their pages); lets every binary search start in its bucket."""
@@ -129,26 +126,12 @@ def first_token_offsets(tokens: np.ndarray, separator: int, vocab_size: int, whe
         chunk = np.asarray(tokens[start:start + step])
         chunk_counts = np.bincount(chunk[chunk != separator], minlength=vocab_size)
         if len(chunk_counts) > vocab_size:
-            raise DatastoreError(
+            raise DATASTORE.fail(
                 f"{where} holds token ids >= the vocabulary size {vocab_size}; the store is corrupt "
-                "or was built with another tokenizer; rebuild it"
+                "or was built with another tokenizer"
             )
         counts += chunk_counts
     offsets = np.zeros(vocab_size + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     return offsets
 
-
-def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    expected = count * dtype.itemsize
-    if not path.is_file():
-        raise DatastoreError(f"{path} is missing; rebuild the datastore")
-    actual = path.stat().st_size
-    if actual != expected:
-        raise DatastoreError(
-            f"{path} is truncated or corrupt: {actual} bytes, the manifest says {count} x {dtype.name} "
-            f"= {expected} bytes; rebuild the datastore"
-        )
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from vllm_retrieval_spec.datastores.format import DatastoreError, TokenizerIdentity
 from vllm_retrieval_spec.datastores.reader import TokenDatastore
@@ -36,7 +35,7 @@ def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
     )
 
 
-def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[TokenDatastore, Any]:
+def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[TokenDatastore, TokenizerIdentity]:
     """Open the store named by ``option`` and check it against the model's tokenizer."""
     identity = tokenizer_identity(tokenizer_dir)
     return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity

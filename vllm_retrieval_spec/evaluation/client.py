@@ -6,9 +6,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 
 @dataclass(frozen=True)
@@ -20,13 +23,13 @@ class ClientRun:
     seconds: float
 
 
-def openai_client(base_url: str) -> Any:
+def openai_client(base_url: str) -> OpenAI:
     from openai import OpenAI
 
     return OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", timeout=600, max_retries=0)
 
 
-def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[GenerationRecord, str]:
+def stream_completion(client: OpenAI, model: str, prompt: str, max_tokens: int) -> tuple[GenerationRecord, str]:
     """One greedy streamed completion; every chunk that carries tokens is one engine step."""
     prompt_ids: list[int] = []
     output_ids: list[int] = []
@@ -48,7 +51,7 @@ def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> 
     return GenerationRecord(prompt_ids, output_ids, max(steps - 1, 0)), "".join(text)
 
 
-def run_prompts(client: Any, model: str, prompts: Sequence[str], max_tokens: int, concurrency: int = 1) -> ClientRun:
+def run_prompts(client: OpenAI, model: str, prompts: Sequence[str], max_tokens: int, concurrency: int = 1) -> ClientRun:
     """Send every prompt with ``concurrency`` requests in flight."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

@@ -1,37 +1,28 @@
 """In-process vLLM engines on the real model, with per-request decode-step counting.
 
-Call :func:`configure_vllm_environment` before vLLM is imported. Engines run in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), float32 and eager by default, so greedy token ids
-with and without speculation can be compared exactly (vllm-cpu.md §4, §6).
+Call :func:`vllm_retrieval_spec.compat.configure_vllm_environment` before vLLM is imported.
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so tests can reach the
+proposer object), in float32 and eager mode by default: reduced precision and compiled
+graphs can change greedy token ids between batch shapes, and with and without speculation
+the token ids must be compared exactly.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord, SpecDecodeCounters
 
-CPU_ENVIRONMENT = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+if TYPE_CHECKING:
+    from vllm import LLM
 
-
-def configure_vllm_environment(in_process: bool = True) -> None:
-    """Set (without overriding) the environment vLLM needs here; call before importing vLLM."""
-    for key, value in CPU_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
-    if in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm_retrieval_spec.proposers.base import DraftProposer
 
 
 @dataclass(frozen=True)
@@ -47,7 +38,7 @@ class EngineSpec:
     seed: int = 0
 
 
-def build_llm(spec: EngineSpec) -> Any:
+def build_llm(spec: EngineSpec) -> LLM:
     """An in-process ``vllm.LLM`` with stats enabled (for the spec-decode counters)."""
     from vllm import LLM
 
@@ -64,20 +55,22 @@ def build_llm(spec: EngineSpec) -> Any:
     )
 
 
-def shutdown_llm(llm: Any) -> None:
-    """Shut an in-process engine down before the next is built (vllm-cpu.md §4)."""
+def shutdown_llm(llm: LLM) -> None:
+    """Shut an in-process engine's core down and collect it before the next is built, so that
+    two engines' KV caches and workers never coexist in one process."""
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
 
 
-def drafter_of(llm: Any) -> Any:
-    """The proposer instance of an in-process engine (``None`` without speculation)."""
+def drafter_of(llm: LLM) -> DraftProposer | None:
+    """The proposer instance of an in-process engine running one of our proposers (``None``
+    without speculation)."""
     core = llm.llm_engine.engine_core.engine_core
     return getattr(core.model_executor.driver_worker.worker.model_runner, "drafter", None)
 
 
-def spec_decode_counters(llm: Any) -> SpecDecodeCounters:
+def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
     """Process-wide totals of vLLM's spec-decode counters (take differences per run)."""
     values = {metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()}
     return SpecDecodeCounters(
@@ -100,7 +93,7 @@ _request_ids = itertools.count()
 
 
 def generate(
-    llm: Any, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, **sampling: Any
+    llm: LLM, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, **sampling: Any
 ) -> GenerationRun:
     """Generate with at most ``concurrency`` requests in flight (1 = batch 1), counting for
     every request the engine steps that gave it new tokens after its prefill."""

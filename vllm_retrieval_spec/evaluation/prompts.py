@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptForm = Literal["raw", "chat"]
 CHAT_INSTRUCTION = (
@@ -22,7 +25,9 @@ def humaneval_problems() -> list[dict[str, Any]]:
     return [problems[task_id] for task_id in sorted(problems, key=lambda t: int(t.split("/")[1]))]
 
 
-def humaneval_prompts(count: int | None = None, form: PromptForm = "raw", tokenizer: Any = None) -> list[str]:
+def humaneval_prompts(
+    count: int | None = None, form: PromptForm = "raw", tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[str]:
     """The first ``count`` HumanEval prompts, raw or wrapped in the model's chat template.
 
     ``chat`` needs the tokenizer whose chat template the model was trained with.

@@ -1,7 +1,8 @@
-"""Exact greedy replay (algorithms.md §8): score a drafting rule offline on the target's own
-greedy outputs. With greedy verification the accepted length of a draft is fully determined
-by the output the model produces anyway, so the honest tokens per decode step measured here
-equals what vLLM measures when the proposer runs for real."""
+"""Exact greedy replay: score a drafting rule offline on the target's own greedy outputs.
+
+With greedy verification the accepted length of a draft is fully determined by the output
+the model produces anyway, so the honest tokens per decode step measured here equals what
+vLLM measures when the proposer runs for real."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_retrieval_spec.evaluation.engine import CPU_ENVIRONMENT
+from vllm_retrieval_spec.compat import CPU_ENVIRONMENT
 from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters
 
 LOOPBACK = "127.0.0.1"

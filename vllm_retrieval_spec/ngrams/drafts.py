@@ -7,45 +7,55 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_retrieval_spec.drafts import DraftArrays
 from vllm_retrieval_spec.kernels import context_ngram
+from vllm_retrieval_spec.kernels.draft_merge import merge_drafts
 from vllm_retrieval_spec.ngrams.table import NgramTable
 
 
 @dataclass
-class NgramDrafts:
+class NgramDrafts(DraftArrays):
     """``tokens`` ``[rows, k, w]`` (-1 padded), ``lengths`` ``[rows, k]`` and ``from_context``
     ``[rows]`` (how many leading drafts came from the context). Draft 0 is the chain: the
-    most frequent context n-gram, else the bigram's top-1 greedy continuation."""
+    most frequent context n-gram, else the bigram's top-1 greedy continuation. The trees (the
+    k drafts merged, shared prefixes once, nodes in draft order so that a node budget that cuts
+    the list keeps the best drafts whole) are None until :meth:`build_trees`."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     from_context: np.ndarray
+    tree_tokens: np.ndarray | None = None
+    tree_parents: np.ndarray | None = None
+    tree_size: np.ndarray | None = None
 
-    def chain(self, row: int) -> list[int]:
-        return self.tokens[row, 0, : self.lengths[row, 0]].tolist()
+    @property
+    def chain_tokens(self) -> np.ndarray:
+        """Draft 0 of every row, ``[rows, w]``."""
+        return self.tokens[:, 0]
 
-    def tree(self, row: int) -> tuple[list[int], list[int]]:
-        """The k drafts as one tree (shared prefixes merged), parents first, in draft order:
-        a node budget that cuts the list keeps the best drafts whole."""
-        children: dict[tuple[int, int], int] = {}
-        tokens: list[int] = []
-        parents: list[int] = []
-        for slot in range(self.tokens.shape[1]):
-            parent = -1
-            for token in self.tokens[row, slot, : self.lengths[row, slot]].tolist():
-                key = (parent, token)
-                if key not in children:
-                    children[key] = len(tokens)
-                    tokens.append(token)
-                    parents.append(parent)
-                parent = children[key]
-        return tokens, parents
+    @property
+    def chain_size(self) -> np.ndarray:
+        return self.lengths[:, 0]
+
+    def build_trees(self, num_threads: int = 0) -> NgramDrafts:
+        """Fill the tree arrays, every row's drafts merged in one kernel call; returns self."""
+        self.tree_tokens, self.tree_parents, self.tree_size = merge_drafts(
+            self.tokens, self.lengths, num_threads=num_threads
+        )
+        return self
+
+    def tree(self, index: int) -> tuple[list[int], list[int]]:
+        """Row ``index``'s tree (built for all rows first when it was not)."""
+        if self.tree_tokens is None:
+            self.build_trees()
+        return super().tree(index)
 
 
 def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,
-                 *, k: int, w: int, q: int, mixing: str, num_threads: int = 0) -> NgramDrafts:
+                 *, k: int, w: int, q: int, mixing: str, num_threads: int = 0,
+                 with_trees: bool = False) -> NgramDrafts:
     """k drafts of up to w tokens per requested row; ``mixing`` is one of
-    ``options.MIXING_POLICIES``."""
+    ``options.MIXING_POLICIES``; ``with_trees`` also merges them into trees."""
     k, w = min(k, table.k), min(w, table.w)
     tokens = np.full((len(rows), k, w), -1, dtype=np.int32)
     lengths = np.zeros((len(rows), k), dtype=np.int32)
@@ -62,6 +72,7 @@ def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarra
         fill = slot >= from_context[:, None]  # the slots the context left empty
         source = np.clip(slot - from_context[:, None], 0, k - 1)
         filled = np.take_along_axis(bigram, source[:, :, None], axis=1)
-        tokens = np.where(fill[:, :, None], filled, tokens)
+        tokens = np.where(fill[:, :, None], filled, tokens).astype(np.int32, copy=False)
         lengths = np.where(fill, w, lengths).astype(np.int32)
-    return NgramDrafts(tokens, lengths, from_context)
+    drafts = NgramDrafts(tokens, lengths, from_context)
+    return drafts.build_trees(num_threads) if with_trees else drafts

@@ -1,11 +1,11 @@
-"""Model-derived n-gram tables (N-Grammys §4.1, algorithms.md §3).
+"""Model-derived n-gram tables (the N-Grammys paper, §4.1).
 
 One forward pass over every token of the vocabulary as a one-token input gives the bigram
 ``p(. | x)``; we keep its top-k tokens and probabilities. Each token is placed where a document
 starts (after the tokenizer's document-start token, whose KV is computed once and shared):
 alone at position 0, SmolLM2-135M predicts '-' after 49,093 of its 49,152 tokens (the first
 position acts as an attention sink), and the bigram's top-1 covers 0.2% of its own greedy
-HumanEval tokens instead of 11%. We also keep and the *extended* bigram: each of
+HumanEval tokens instead of 11%. We also keep the *extended* bigram: each of
 the top-k first tokens continued greedily through the bigram to ``w`` tokens. Optionally the
 unigram ranking from the embeddings (paper §4.1: ``p(x) ∝ exp(-d(x))``, ``d`` the distance of
 the output embedding from the mean under the input embeddings' Gram matrix).
@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -30,18 +30,39 @@ from tqdm import tqdm
 from vllm_retrieval_spec import __version__
 from vllm_retrieval_spec.datastores.format import TokenizerIdentity
 from vllm_retrieval_spec.paths import cache_root
-from vllm_retrieval_spec.storage import atomic_directory, sha256_of_file
+from vllm_retrieval_spec.storage import (
+    ArtifactKind,
+    StorageError,
+    atomic_directory,
+    manifest_record,
+    map_array,
+    read_manifest,
+    sha256_of_file,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 BIGRAM_TOKENS = "bigram_tokens.bin"
 BIGRAM_PROBS = "bigram_probs.bin"
 EXTENDED = "extended_bigram.bin"
 UNIGRAM_RANKING = "unigram_ranking.bin"
 
 
-class NgramTableError(RuntimeError):
+class NgramTableError(StorageError):
     """An n-gram table is missing, corrupt, or belongs to another model."""
+
+
+NGRAM_TABLE = ArtifactKind(
+    noun="n-gram table",
+    article="an",
+    format_version=FORMAT_VERSION,
+    error=NgramTableError,
+    build_command="`vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`",
+    required={"model": dict, "k": int, "w": int, "unigram": bool, "prefix": list},
+)
 
 
 @dataclass(frozen=True)
@@ -95,9 +116,11 @@ class NgramTable:
 
     @classmethod
     def open(cls, path: str | Path, expected_model: ModelIdentity | None = None) -> NgramTable:
+        """Open the table in ``path``; fail naming the file when it is missing, truncated or
+        corrupt, and naming both models when it was built from another model."""
         path = Path(path)
-        manifest = _read_manifest(path)
-        owner = ModelIdentity(**manifest["model"])
+        manifest = read_manifest(path, NGRAM_TABLE)
+        owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE)
         if expected_model is not None and not owner.matches(expected_model):
             raise NgramTableError(
                 f"n-gram table {path} was built from model {owner.name!r} (config {owner.config_sha256[:12]}, "
@@ -105,46 +128,19 @@ class NgramTable:
                 f"(config {expected_model.config_sha256[:12]}, vocab {expected_model.vocab_sha256[:12]}); "
                 "build a table for it with `vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
             )
-        v, k, w = owner.vocab_size, int(manifest["k"]), int(manifest["w"])
+        v, k, w = owner.vocab_size, manifest["k"], manifest["w"]
+        unigram = map_array(path / UNIGRAM_RANKING, np.int32, (v,), NGRAM_TABLE) if manifest["unigram"] else None
         return cls(
             path=path,
             manifest=manifest,
-            bigram_tokens=_map(path / BIGRAM_TOKENS, np.int32, (v, k)),
-            bigram_probs=_map(path / BIGRAM_PROBS, np.float32, (v, k)),
-            extended=_map(path / EXTENDED, np.int32, (v, k, w)),
-            unigram_ranking=_map(path / UNIGRAM_RANKING, np.int32, (v,)) if manifest["unigram"] else None,
+            bigram_tokens=map_array(path / BIGRAM_TOKENS, np.int32, (v, k), NGRAM_TABLE),
+            bigram_probs=map_array(path / BIGRAM_PROBS, np.float32, (v, k), NGRAM_TABLE),
+            extended=map_array(path / EXTENDED, np.int32, (v, k, w), NGRAM_TABLE),
+            unigram_ranking=unigram,
         )
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise NgramTableError(
-            f"{manifest_path} not found: {path} is not an n-gram table; build one with "
-            "`vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        ModelIdentity(**manifest["model"])
-    except (ValueError, TypeError, KeyError) as error:
-        raise NgramTableError(f"{manifest_path} is corrupt ({error}); rebuild the table") from error
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise NgramTableError(f"{manifest_path} has format version {manifest.get('format_version')}, "
-                              f"this package reads {FORMAT_VERSION}; rebuild the table")
-    return manifest
-
-
-def _map(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if not path.is_file():
-        raise NgramTableError(f"{path} is missing; rebuild the table")
-    if path.stat().st_size != expected:
-        raise NgramTableError(f"{path} is truncated or corrupt: {path.stat().st_size} bytes, "
-                              f"expected {expected} for shape {shape}; rebuild the table")
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
-
-
-def document_start_prefix(tokenizer: Any) -> list[int]:
+def document_start_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """What precedes a document's first token in training: the BOS the tokenizer adds, else
     its end-of-text token, else its EOS (empty when it has none)."""
     bos = tokenizer.bos_token_id
@@ -193,11 +189,11 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
                       "seconds": round(time.perf_counter() - start, 2),
                       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(tmp, manifest)
     return out_dir
 
 
-def bigram_top_k(model: Any, token_ids: Sequence[int], k: int, batch_size: int = 1024,
+def bigram_top_k(model: PreTrainedModel, token_ids: Sequence[int], k: int, batch_size: int = 1024,
                  progress: bool = False, prefix: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Top-k of ``p(. | prefix + [x])`` for each token ``x``: ``[len, k]`` ids and probabilities.
     The prefix's KV cache is computed once and repeated over each batch."""
@@ -236,7 +232,7 @@ def extend_bigram(top_tokens: np.ndarray, w: int) -> np.ndarray:
     return extended
 
 
-def unigram_ranking(model: Any) -> np.ndarray:
+def unigram_ranking(model: PreTrainedModel) -> np.ndarray:
     """Tokens by increasing ``d(x) = ||u_x - mean(u)||_V`` (paper §4.1), most likely first."""
     import torch
 

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, NgramTableError, default_table_dir
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
-from vllm_retrieval_spec.verification.trees import DraftTree
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
-class NGramProposer(DraftProposer):
-    """Fills ``k`` drafts of length ``w`` by the paper's mixed strategy and drafts the best one
-    as a chain (the most frequent context n-gram, else the bigram's top-1 continuation).
-    With the ``tree`` option it drafts the k drafts merged into one tree (breadth-first, cut
-    to ``num_speculative_tokens`` nodes) for tree verification."""
+class NGrammysProposer(DraftProposer):
+    """Fills ``ngrammys_drafts`` drafts of ``ngrammys_draft_len`` tokens by the paper's mixed
+    strategy and drafts the best one as a chain (the most frequent context n-gram, else the
+    bigram's top-1 continuation). With the ``tree`` option it drafts them merged into one tree
+    (breadth-first, cut to ``num_speculative_tokens`` nodes) for tree verification."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         identity = ModelIdentity.of(vllm_config.model_config.model)
         table_dir = Path(self.options.ngram_table) if self.options.ngram_table else default_table_dir(identity)
@@ -30,19 +32,24 @@ class NGramProposer(DraftProposer):
         self.table = NgramTable.open(table_dir, expected_model=identity)
         self.last_drafts: NgramDrafts | None = None
 
-    def _mixed_drafts(self, batch: DraftBatch) -> NgramDrafts:
+    def draft(self, batch: DraftBatch) -> NgramDrafts:
         options = self.options
         self.last_drafts = mixed_drafts(
             self.table, batch.token_ids, batch.num_tokens, batch.rows,
-            k=options.k, w=min(options.w, self.num_speculative_tokens), q=options.q,
-            mixing=options.mixing, num_threads=options.num_threads,
+            k=options.ngrammys_drafts, w=min(options.ngrammys_draft_len, self.num_speculative_tokens),
+            q=options.ngrammys_context_len, mixing=options.ngrammys_mixing, num_threads=options.num_threads,
+            with_trees=batch.trees,
         )
         return self.last_drafts
 
-    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
-        drafts = self._mixed_drafts(batch)
-        return [drafts.chain(index) for index in range(len(batch))]
 
-    def draft_trees(self, batch: DraftBatch) -> Sequence[DraftTree]:
-        drafts = self._mixed_drafts(batch)
-        return [DraftTree(*map(tuple, drafts.tree(index))) for index in range(len(batch))]
+class NGramProposer(NGrammysProposer):
+    """Deprecated name of :class:`NGrammysProposer` (removed in the next release)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        warnings.warn(
+            "vllm_retrieval_spec.NGramProposer is deprecated; use vllm_retrieval_spec.NGrammysProposer",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(vllm_config)

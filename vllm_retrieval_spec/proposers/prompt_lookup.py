@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from vllm_retrieval_spec.kernels import context_ngram
+from vllm_retrieval_spec.kernels.context_ngram import ContextNgramDrafts, context_ngram
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
 
@@ -13,9 +11,9 @@ class PromptLookupProposer(DraftProposer):
     longest suffix of its own context (``context_ngram_max`` down to ``context_ngram_min``
     tokens) that occurred earlier in that context."""
 
-    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
+    def draft(self, batch: DraftBatch) -> ContextNgramDrafts:
         options = self.options
-        found = context_ngram(
+        return context_ngram(
             batch.token_ids,
             batch.num_tokens,
             batch.rows,
@@ -26,4 +24,3 @@ class PromptLookupProposer(DraftProposer):
             max_matches=options.context_max_matches,
             num_threads=options.num_threads,
         )
-        return [found.draft(index) for index in range(len(batch))]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
 from vllm_retrieval_spec.kernels.rest import RestDrafts, RestParams, rest_retrieve
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
-from vllm_retrieval_spec.verification.trees import DraftTree
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 class RestProposer(DraftProposer):
@@ -17,7 +18,7 @@ class RestProposer(DraftProposer):
     option it drafts the heaviest subtree instead (at most ``top_k`` and
     ``num_speculative_tokens`` nodes) for tree verification."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         options = self.options
         self.datastore = None
@@ -32,17 +33,9 @@ class RestProposer(DraftProposer):
             self.params = RestParams.from_options(options, chain_len=budget, top_k=min(options.top_k, budget))
         self.last_drafts: RestDrafts | None = None
 
-    def _retrieve(self, batch: DraftBatch) -> RestDrafts:
+    def draft(self, batch: DraftBatch) -> RestDrafts:
         self.last_drafts = rest_retrieve(
             self.datastore, batch.token_ids, batch.num_tokens, batch.rows, self.params,
             num_threads=self.options.num_threads,
         )
         return self.last_drafts
-
-    def draft(self, batch: DraftBatch) -> Sequence[Sequence[int]]:
-        drafts = self._retrieve(batch)
-        return [drafts.chain(index) for index in range(len(batch))]
-
-    def draft_trees(self, batch: DraftBatch) -> Sequence[DraftTree]:
-        drafts = self._retrieve(batch)
-        return [DraftTree(*map(tuple, drafts.tree(index))) for index in range(len(batch))]

@@ -10,8 +10,7 @@ the KV of a prefix of the draft slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,7 +19,8 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
 from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees, to_host
-from vllm_retrieval_spec.verification.trees import TreeStepPlan, flatten_parents
+from vllm_retrieval_spec.verification.session import SpecSession
+from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
 GREEDY_TEMPERATURE = 0.0
 
@@ -28,19 +28,19 @@ GREEDY_TEMPERATURE = 0.0
 class TreeRejectionSampler(RejectionSampler):
     """vLLM's rejection sampler, verifying this step's draft trees instead of chains."""
 
-    def __init__(self, sampler: object, current_plan: Callable[[], TreeStepPlan | None],
-                 compact: Callable[[TreeStepPlan, np.ndarray, np.ndarray], None]) -> None:
+    def __init__(self, sampler: object, session: SpecSession,
+                 kv_caches: Callable[[], Sequence[torch.Tensor]]) -> None:
         super().__init__(sampler)
-        self._current_plan = current_plan
-        self._compact = compact
+        self._session = session
+        self._kv_caches = kv_caches
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        plan = self._current_plan()
+        plan = self._session.plan
         if plan is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         scores = self._scores(logits, metadata, sampling_metadata)
         out_tokens, path_nodes, num_accepted = self._accept(plan, scores, metadata, sampling_metadata)
-        self._compact(plan, path_nodes, num_accepted)
+        self._session.finish_step(self._kv_caches(), path_nodes, num_accepted)
         output = torch.as_tensor(out_tokens).to(logits.device)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -66,15 +66,13 @@ class TreeRejectionSampler(RejectionSampler):
         return torch.where(expand_rows(greedy, metadata).unsqueeze(-1), logits, probs)
 
     def _accept(self, plan: TreeStepPlan, scores: torch.Tensor, metadata, sampling_metadata):
-        trees = [request.tree for request in plan.requests]
-        parents, offsets = flatten_parents(trees)
-        tokens = np.fromiter((t for tree in trees for t in tree.tokens), dtype=np.int32, count=len(parents))
-        greedy = request_is_greedy(sampling_metadata, len(trees))
+        num_requests = len(plan.offsets) - 1
+        greedy = request_is_greedy(sampling_metadata, num_requests)
         rules = np.where(greedy, AcceptRule.GREEDY, AcceptRule.CANDIDATES).astype(np.int32)
-        seeds = request_seeds(sampling_metadata, len(trees))
+        seeds = request_seeds(sampling_metadata, num_requests, scores.device)
         result = accept_trees(  # the CUDA kernel when the logits live on a GPU
-            scores if scores.is_cuda else scores.cpu().numpy(), tokens, parents, offsets, rules, seeds,
-            out_width=metadata.max_spec_len + 1,
+            scores if scores.is_cuda else scores.numpy(), plan.tokens, plan.parents, plan.offsets, rules,
+            seeds if scores.is_cuda else seeds.numpy().view(np.uint64), out_width=metadata.max_spec_len + 1,
         )
         return result.out_tokens, to_host(result.path_nodes), to_host(result.num_accepted)
 
@@ -82,7 +80,7 @@ class TreeRejectionSampler(RejectionSampler):
         """Logprobs of the emitted tokens, read at the rows of the accepted path."""
         starts = np.concatenate([[0], metadata.cu_num_sampled_tokens.cpu().numpy()[:-1]])
         width = output.shape[1]
-        rows = np.zeros((len(plan.requests), width), dtype=np.int64)
+        rows = np.zeros((len(plan.offsets) - 1, width), dtype=np.int64)
         rows[:, 1:] = np.where(path_nodes[:, : width - 1] >= 0, path_nodes[:, : width - 1] + 1, 0)
         rows += starts[:, None]
         source = scores if self.is_processed_logprobs_mode else logits.to(torch.float32)
@@ -105,11 +103,13 @@ def request_is_greedy(sampling_metadata, num_requests: int) -> np.ndarray:
     return (sampling_metadata.temperature[:num_requests] == GREEDY_TEMPERATURE).cpu().numpy()
 
 
-def request_seeds(sampling_metadata, num_requests: int) -> np.ndarray:
-    """One 64-bit seed per request: from the request's own generator when it has a seed
-    (reproducible sampling), else from torch's global generator."""
-    seeds = torch.randint(0, 2**62, (num_requests,), dtype=torch.int64).numpy().astype(np.uint64)
-    for row, generator in sampling_metadata.generators.items():
-        if row < num_requests:
-            seeds[row] = np.uint64(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)))
+def request_seeds(sampling_metadata, num_requests: int, device: torch.device) -> torch.Tensor:
+    """One 63-bit seed per request (int64, on ``device``, no host sync): from the request's
+    own generator when it has a seed (reproducible sampling), else from torch's global one."""
+    seeds = torch.randint(0, 2**62, (num_requests,), dtype=torch.int64).to(device)
+    seeded = [(row, generator) for row, generator in sampling_metadata.generators.items() if row < num_requests]
+    if seeded:
+        rows = torch.tensor([row for row, _ in seeded], device=device)
+        draws = [torch.randint(0, 2**62, (1,), generator=g, device=g.device) for _, g in seeded]
+        seeds[rows] = torch.cat(draws).to(device)
     return seeds

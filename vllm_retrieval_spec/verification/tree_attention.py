@@ -25,9 +25,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vllm_retrieval_spec.verification.trees import TreeRequest, tree_branches
+from vllm_retrieval_spec.verification.trees import TreeStepPlan, unpack_masks
 
 SUPPORTED_CPU_ISAS = ("vec",)
 
@@ -69,7 +70,8 @@ def check_layout(kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, 
     """Fail clearly unless the cache holds ``key``/``value`` at ``slots`` in ``layout``."""
     n, kv_heads = slots.shape[0], kv_cache.shape[1]
     stored_k, stored_v = read_slots(kv_cache, kv_cache.shape[-1] // 2, layout, slots)
-    if not (torch.equal(stored_k, key.reshape(n, kv_heads, -1)) and torch.equal(stored_v, value.reshape(n, kv_heads, -1))):
+    same_keys = torch.equal(stored_k, key.reshape(n, kv_heads, -1))
+    if not (same_keys and torch.equal(stored_v, value.reshape(n, kv_heads, -1))):
         raise TreeAttentionError(
             f"the attention KV cache does not hold keys and values in the {layout.value} layout "
             "tree verification reads (vLLM version, ISA or a quantized kv_cache_dtype); run "
@@ -88,7 +90,7 @@ def require_cpu_isa(isa: str) -> None:
 @dataclass
 class TreeRows:
     """Index tensors of one step's branching trees, padded to ``[R, nodes]`` (built once per
-    step on the cache's device, shared by every layer)."""
+    step on the host with NumPy, moved to the cache's device once, shared by every layer)."""
 
     rows: torch.Tensor  # [R, N] flat token index of each draft node (padding: 0)
     valid: torch.Tensor  # [R, N] bool
@@ -98,28 +100,28 @@ class TreeRows:
     context_len: int  # C, the longest context
 
     @classmethod
-    def build(cls, requests: Sequence[TreeRequest], seq_lens: torch.Tensor, block_table: torch.Tensor,
+    def build(cls, plan: TreeStepPlan, context_lens: np.ndarray, block_table: torch.Tensor,
               block_size: int) -> TreeRows:
-        branching = [r for r in requests if tree_branches(r.tree)]
-        nodes = max(r.num_nodes for r in branching)
-        host_seq_lens = seq_lens.cpu()
-        contexts = [int(host_seq_lens[r.row]) - r.num_nodes for r in branching]
-        context_len = max(contexts)
-        num_blocks = (context_len + block_size - 1) // block_size
-        rows = torch.zeros(len(branching), nodes, dtype=torch.long)
-        valid = torch.zeros(len(branching), nodes, dtype=torch.bool)
-        mask = torch.zeros(len(branching), nodes, context_len + nodes, dtype=torch.bool)
+        """``context_lens`` ``[B]``: tokens before each row's first draft node (root included)."""
+        branching = np.flatnonzero(plan.branching)
+        sizes = plan.sizes[branching]
+        nodes, contexts = int(sizes.max()), context_lens[branching].astype(np.int64)
+        context_len = int(contexts.max())
+        slot = np.arange(nodes)[None, :]
+        valid = slot < sizes[:, None]
+        starts = plan.offsets[branching][:, None] + np.minimum(slot, sizes[:, None] - 1)
+        rows = np.where(valid, plan.node_rows()[starts], 0)
+        visible = unpack_masks(plan.ancestors[starts.reshape(-1)], nodes).reshape(len(branching), nodes, nodes)
+        mask = np.zeros((len(branching), nodes, context_len + nodes), dtype=bool)
+        mask[:, :, :context_len] = np.arange(context_len)[None, None, :] < contexts[:, None, None]
+        mask[:, :, context_len:] = visible & valid[:, None, :]
+        mask &= valid[:, :, None]
         mask[:, :, 0] = True  # padded rows attend somewhere (their output is discarded)
-        for i, (request, context) in enumerate(zip(branching, contexts)):
-            n, first = request.num_nodes, request.query_start + 1
-            rows[i, :n] = torch.arange(first, first + n)
-            valid[i, :n] = True
-            mask[i, :n, :context] = True
-            mask[i, :n, context_len : context_len + n] = request.visible
         device = block_table.device
-        table_rows = torch.tensor([r.row for r in branching], dtype=torch.long, device=device)
-        blocks = block_table[table_rows, :num_blocks].long()
-        return cls(rows.to(device), valid.to(device), rows[valid].to(device), blocks, mask.to(device), context_len)
+        num_blocks = (context_len + block_size - 1) // block_size
+        blocks = block_table[torch.from_numpy(branching).to(device), :num_blocks].long()
+        rows_t, valid_t, mask_t = (torch.from_numpy(array).to(device) for array in (rows, valid, mask))
+        return cls(rows_t, valid_t, rows_t[valid_t], blocks, mask_t, context_len)
 
 
 def gather_context(kv_cache: torch.Tensor, head_size: int, layout: KVLayout,

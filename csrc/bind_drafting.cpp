@@ -1,0 +1,354 @@
+// Bindings of the drafting kernels: context n-grams (CPU, CUDA), REST retrieval and the merge
+// of N-Grammys drafts into trees (CPU).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "bindings.h"
+#include "context_ngram.h"
+#include "draft_merge.h"
+#include "parallel.h"
+#include "rest_retrieval.h"
+#ifdef VRS_WITH_CUDA
+#include "context_ngram_cuda.h"
+#endif
+
+namespace vrs_bind {
+namespace {
+
+using Cpu = nb::device::cpu;
+
+// Work worth one thread, some 30-50 us, well above the cost of handing work to a sleeping pool
+// worker (~5 us): context tokens scanned by context_ngram (vLLM's ngram proposer also starts
+// threads from 8192 tokens), requests for REST, draft tokens merged.
+constexpr int64_t kContextNgramGrain = 8192;
+constexpr int64_t kRestGrain = 8;
+constexpr int64_t kMergeGrain = 16384;
+
+// ---- Context n-grams (context_ngram.h) ----
+
+struct ContextNgramShapes {
+  int64_t num_rows;
+  vrs::ContextNgramParams params;
+};
+
+template <typename Device>
+ContextNgramShapes check_context_ngram_args(const TokenMatrix<Device>& tokens,
+                                            const ConstVector<Device>& lengths,
+                                            const ConstVector<Device>& rows,
+                                            const Output<Device, 3>& drafts,
+                                            const Output<Device, 2>& draft_lengths,
+                                            const Output<Device, 2>& counts,
+                                            const Output<Device, 1>& match_len, int q_min,
+                                            int q_max, int max_matches) {
+  const size_t num_rows = rows.shape(0);
+  if (lengths.shape(0) != tokens.shape(0))
+    throw std::invalid_argument("lengths must have one entry per row of tokens");
+  if (drafts.shape(0) != num_rows || draft_lengths.shape(0) != num_rows ||
+      counts.shape(0) != num_rows || match_len.shape(0) != num_rows)
+    throw std::invalid_argument("every output needs one row per entry of rows");
+  const int k = static_cast<int>(drafts.shape(1));
+  const int w = static_cast<int>(drafts.shape(2));
+  if (k < 1 || w < 1) throw std::invalid_argument("drafts must have shape [rows, k >= 1, w >= 1]");
+  if (draft_lengths.shape(1) != drafts.shape(1) || counts.shape(1) != drafts.shape(1))
+    throw std::invalid_argument("draft_lengths and counts must have shape [rows, k]");
+  if (q_min < 1 || q_max < q_min)
+    throw std::invalid_argument("need 1 <= q_min <= q_max, got q_min=" + std::to_string(q_min) +
+                                ", q_max=" + std::to_string(q_max));
+  if (max_matches < 1 || max_matches > vrs::kMaxContextMatches)
+    throw std::invalid_argument("max_matches must be in [1, " +
+                                std::to_string(vrs::kMaxContextMatches) + "], got " +
+                                std::to_string(max_matches));
+  return {static_cast<int64_t>(num_rows), vrs::ContextNgramParams{q_min, q_max, w, k, max_matches}};
+}
+
+int context_ngram_cpu(TokenMatrix<Cpu> tokens, ConstVector<Cpu> lengths, ConstVector<Cpu> rows,
+                      Output<Cpu, 3> drafts, Output<Cpu, 2> draft_lengths, Output<Cpu, 2> counts,
+                      Output<Cpu, 1> match_len, int q_min, int q_max, int max_matches,
+                      int num_threads) {
+  const auto shapes = check_context_ngram_args(tokens, lengths, rows, drafts, draft_lengths,
+                                               counts, match_len, q_min, q_max, max_matches);
+  const int64_t work = check_rows(tokens, lengths, rows);
+  const int64_t row_len = static_cast<int64_t>(tokens.shape(1));
+  const auto& prm = shapes.params;
+  const int32_t* token_data = tokens.data();
+  const int32_t* length_data = lengths.data();
+  const int32_t* row_data = rows.data();
+  int32_t* draft_data = drafts.data();
+  int32_t* draft_length_data = draft_lengths.data();
+  int32_t* count_data = counts.data();
+  int32_t* match_len_data = match_len.data();
+  nb::gil_scoped_release release;
+  const vrs::ThreadPlan plan{num_threads, work, kContextNgramGrain};
+  vrs::parallel_for(shapes.num_rows, plan, [&](int64_t r) {
+    int match_pos[vrs::kMaxContextMatches];
+    int match_count[vrs::kMaxContextMatches];
+    const int64_t row = row_data[r];
+    match_len_data[r] = vrs::context_ngram_one(
+        token_data + row * row_len, length_data[row], prm, match_pos, match_count,
+        draft_data + r * prm.k * prm.w, draft_length_data + r * prm.k, count_data + r * prm.k);
+  });
+  return static_cast<int>(shapes.num_rows);
+}
+
+#ifdef VRS_WITH_CUDA
+using Cuda = nb::device::cuda;
+
+int context_ngram_gpu(TokenMatrix<Cuda> tokens, ConstVector<Cuda> lengths, ConstVector<Cuda> rows,
+                      Output<Cuda, 3> drafts, Output<Cuda, 2> draft_lengths, Output<Cuda, 2> counts,
+                      Output<Cuda, 1> match_len, int q_min, int q_max, int max_matches,
+                      std::uintptr_t stream) {
+  const auto shapes = check_context_ngram_args(tokens, lengths, rows, drafts, draft_lengths,
+                                               counts, match_len, q_min, q_max, max_matches);
+  vrs::ContextNgramCudaArgs args{tokens.data(),        static_cast<int64_t>(tokens.shape(1)),
+                                 lengths.data(),       rows.data(),
+                                 static_cast<int>(shapes.num_rows), shapes.params,
+                                 drafts.data(),        draft_lengths.data(),
+                                 counts.data(),        match_len.data(),
+                                 stream};
+  nb::gil_scoped_release release;
+  vrs::context_ngram_cuda(args);
+  return static_cast<int>(shapes.num_rows);
+}
+#endif
+
+// ---- REST retrieval (rest_retrieval.h) ----
+
+using AnyVector = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, Cpu>;
+using OffsetVector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, Cpu>;
+
+// A datastore's arrays, checked once: tokens (uint16/uint32) with document separators, their
+// suffix array (int32/int64, as long) and optional first-token offsets.
+struct SuffixStore {
+  AnyVector tokens;
+  AnyVector suffix_array;
+  uint32_t separator;
+  std::optional<OffsetVector> offsets;
+
+  SuffixStore(AnyVector tokens_, AnyVector suffix_array_, uint32_t separator_,
+              std::optional<OffsetVector> offsets_)
+      : tokens(tokens_), suffix_array(suffix_array_), separator(separator_), offsets(offsets_) {
+    if (tokens.dtype() != nb::dtype<uint16_t>() && tokens.dtype() != nb::dtype<uint32_t>())
+      throw std::invalid_argument("store tokens must be uint16 or uint32");
+    if (suffix_array.dtype() != nb::dtype<int32_t>() && suffix_array.dtype() != nb::dtype<int64_t>())
+      throw std::invalid_argument("suffix_array must be int32 or int64");
+    if (suffix_array.shape(0) != tokens.shape(0))
+      throw std::invalid_argument("store tokens and suffix_array must have the same length");
+  }
+
+  template <typename Tok, typename Idx>
+  vrs::SuffixIndex<Tok, Idx> index() const {
+    return {static_cast<const Tok*>(tokens.data()), static_cast<const Idx*>(suffix_array.data()),
+            static_cast<int64_t>(tokens.shape(0)), separator,
+            offsets ? offsets->data() : nullptr,
+            offsets ? static_cast<int64_t>(offsets->shape(0)) : 0};
+  }
+};
+
+void check_rest_params(const vrs::RestParams& prm) {
+  if (prm.n_min < 1 || prm.n_max < prm.n_min)
+    throw std::invalid_argument("need 1 <= n_min <= n_max");
+  if (prm.max_matches < 0 || prm.cont_len < 1)
+    throw std::invalid_argument("need max_matches >= 0 and cont_len >= 1");
+  if (prm.top_k < 0 || prm.chain_len < 0)
+    throw std::invalid_argument("need top_k >= 0 and chain_len >= 0");
+  if (prm.context_max_matches < 1 || prm.context_max_matches > vrs::kMaxContextMatches)
+    throw std::invalid_argument("context_max_matches must be in [1, " +
+                                std::to_string(vrs::kMaxContextMatches) + "]");
+  if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0))
+    throw std::invalid_argument("weights must be >= 0");
+}
+
+// The result arrays (tokens and parents -1, the rest 0): trees only when top_k > 0, timings
+// only when profiled.
+struct RestArrays {
+  std::optional<NewArray<int32_t, 2>> tree_tokens, tree_parents;
+  std::optional<NewArray<int32_t, 1>> tree_size;
+  NewArray<int32_t, 2> chain_tokens;
+  NewArray<int32_t, 1> chain_size;
+  NewArray<int32_t, 2> match_info;
+  std::optional<NewArray<int64_t, 2>> timings;
+
+  RestArrays(size_t rows, const vrs::RestParams& prm, bool profile)
+      : chain_tokens(new_array<int32_t, 2>({rows, static_cast<size_t>(prm.chain_len)}, -1)),
+        chain_size(new_array<int32_t, 1>({rows}, 0)),
+        match_info(new_array<int32_t, 2>({rows, 3}, 0)) {
+    if (prm.top_k > 0) {
+      tree_tokens = new_array<int32_t, 2>({rows, static_cast<size_t>(prm.top_k)}, -1);
+      tree_parents = new_array<int32_t, 2>({rows, static_cast<size_t>(prm.top_k)}, -1);
+      tree_size = new_array<int32_t, 1>({rows}, 0);
+    }
+    if (profile) timings = new_array<int64_t, 2>({rows, 4}, 0);
+  }
+
+  template <typename Array>
+  static auto row_of(std::optional<Array>& array, int64_t r, int64_t width) {
+    return array ? array->data() + r * width : nullptr;
+  }
+
+  vrs::RestOutput row(int64_t r, const vrs::RestParams& prm) {
+    return {row_of(tree_tokens, r, prm.top_k),  row_of(tree_parents, r, prm.top_k),
+            row_of(tree_size, r, 1),            chain_tokens.data() + r * prm.chain_len,
+            chain_size.data() + r,              match_info.data() + r * 3,
+            row_of(timings, r, 4)};
+  }
+
+  nb::dict as_dict() const {
+    nb::dict out;
+    out["tree_tokens"] = tree_tokens;
+    out["tree_parents"] = tree_parents;
+    out["tree_size"] = tree_size;
+    out["chain_tokens"] = chain_tokens;
+    out["chain_size"] = chain_size;
+    out["match_info"] = match_info;
+    out["timings_ns"] = timings;
+    return out;
+  }
+};
+
+template <typename Tok, typename Idx>
+void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const TokenMatrix<Cpu>& tokens,
+              const ConstVector<Cpu>& lengths, const ConstVector<Cpu>& rows,
+              const vrs::RestParams& prm, RestArrays& out, int num_threads) {
+  const int64_t row_len = static_cast<int64_t>(tokens.shape(1));
+  const int32_t* token_data = tokens.data();
+  const int32_t* length_data = lengths.data();
+  const int32_t* row_data = rows.data();
+  const int64_t num_rows = static_cast<int64_t>(rows.shape(0));
+  nb::gil_scoped_release release;
+  vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
+    thread_local vrs::ContinuationTrie trie;
+    const int64_t row = row_data[r];
+    vrs::rest_retrieve_one(index, token_data + row * row_len, length_data[row], prm, trie,
+                           out.row(r, prm));
+  });
+}
+
+// run_rest on the store's index type (or on none: context only).
+template <typename Tok>
+void dispatch_suffix_array(const SuffixStore& store, const TokenMatrix<Cpu>& tokens,
+                           const ConstVector<Cpu>& lengths, const ConstVector<Cpu>& rows,
+                           const vrs::RestParams& prm, RestArrays& out, int num_threads) {
+  if (store.suffix_array.dtype() == nb::dtype<int32_t>()) {
+    const auto index = store.index<Tok, int32_t>();
+    run_rest(&index, tokens, lengths, rows, prm, out, num_threads);
+  } else {
+    const auto index = store.index<Tok, int64_t>();
+    run_rest(&index, tokens, lengths, rows, prm, out, num_threads);
+  }
+}
+
+nb::dict rest_retrieve(const SuffixStore* store, TokenMatrix<Cpu> tokens,
+                       ConstVector<Cpu> lengths, ConstVector<Cpu> rows,
+                       const vrs::RestParams& prm, bool profile, int num_threads) {
+  check_rest_params(prm);
+  check_rows(tokens, lengths, rows);
+  RestArrays out(rows.shape(0), prm, profile);
+  if (store == nullptr || !prm.use_datastore) {
+    run_rest<uint16_t, int32_t>(nullptr, tokens, lengths, rows, prm, out, num_threads);
+  } else if (store->tokens.dtype() == nb::dtype<uint16_t>()) {
+    dispatch_suffix_array<uint16_t>(*store, tokens, lengths, rows, prm, out, num_threads);
+  } else {
+    dispatch_suffix_array<uint32_t>(*store, tokens, lengths, rows, prm, out, num_threads);
+  }
+  return out.as_dict();
+}
+
+void bind_rest(nb::module_& m) {
+  nb::class_<vrs::RestParams>(m, "RestParams",
+                              "REST settings (kernels/rest.py's RestParams holds the defaults; "
+                              "every field starts at 0 here and must be set).")
+      .def(nb::init<>())
+      .def_rw("n_min", &vrs::RestParams::n_min)
+      .def_rw("n_max", &vrs::RestParams::n_max)
+      .def_rw("max_matches", &vrs::RestParams::max_matches)
+      .def_rw("cont_len", &vrs::RestParams::cont_len)
+      .def_rw("top_k", &vrs::RestParams::top_k)
+      .def_rw("chain_len", &vrs::RestParams::chain_len)
+      .def_rw("min_ratio", &vrs::RestParams::min_ratio)
+      .def_rw("use_datastore", &vrs::RestParams::use_datastore)
+      .def_rw("use_context", &vrs::RestParams::use_context)
+      .def_rw("context_weight", &vrs::RestParams::context_weight)
+      .def_rw("context_max_matches", &vrs::RestParams::context_max_matches);
+  nb::class_<SuffixStore>(m, "SuffixStore",
+                          "A datastore's token array, suffix array and optional first-token "
+                          "offsets, as REST reads them (checked once, kept alive).")
+      .def(nb::init<AnyVector, AnyVector, uint32_t, std::optional<OffsetVector>>(),
+           nb::arg("tokens"), nb::arg("suffix_array"), nb::arg("separator"),
+           nb::arg("first_token_offsets").none() = nb::none());
+  m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("tokens"),
+        nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("profile") = false,
+        nb::arg("num_threads") = 0,
+        "REST drafts for tokens[rows]: datastore (unless store is None or params.use_datastore "
+        "is false) + context trie, top-k subtree and best chain (CPU threads, GIL released). "
+        "Returns a dict of new arrays: tree_tokens, tree_parents [rows, top_k] and tree_size "
+        "[rows] (None when top_k == 0), chain_tokens [rows, chain_len], chain_size [rows], "
+        "match_info [rows, 3], timings_ns [rows, 4] (None unless profile).");
+}
+
+// ---- Merging drafts into trees (draft_merge.h) ----
+
+using DraftBlock = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
+using DraftLengths = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, Cpu>;
+
+std::tuple<NewArray<int32_t, 2>, NewArray<int32_t, 2>, NewArray<int32_t, 1>> merge_drafts(
+    DraftBlock drafts, DraftLengths lengths, int num_threads) {
+  const size_t rows = drafts.shape(0), k = drafts.shape(1), w = drafts.shape(2);
+  if (lengths.shape(0) != rows || lengths.shape(1) != k)
+    throw std::invalid_argument("lengths must have shape [rows, k]");
+  for (size_t i = 0; i < rows * k; ++i)
+    if (lengths.data()[i] < 0 || static_cast<size_t>(lengths.data()[i]) > w)
+      throw std::out_of_range("lengths[" + std::to_string(i / k) + ", " + std::to_string(i % k) +
+                              "] = " + std::to_string(lengths.data()[i]) + " is outside [0, " +
+                              std::to_string(w) + "]");
+  auto tokens = new_array<int32_t, 2>({rows, k * w}, -1);
+  auto parents = new_array<int32_t, 2>({rows, k * w}, -1);
+  auto sizes = new_array<int32_t, 1>({rows}, 0);
+  const int32_t* draft_data = drafts.data();
+  const int32_t* length_data = lengths.data();
+  int32_t* token_data = tokens.data();
+  int32_t* parent_data = parents.data();
+  int32_t* size_data = sizes.data();
+  const int64_t width = static_cast<int64_t>(k * w);
+  {
+    nb::gil_scoped_release release;
+    const vrs::ThreadPlan plan{num_threads, static_cast<int64_t>(rows) * width, kMergeGrain};
+    vrs::parallel_for(static_cast<int64_t>(rows), plan, [&](int64_t r) {
+      thread_local vrs::DraftMerger merger;
+      size_data[r] = merger.merge(draft_data + r * width, length_data + r * k, static_cast<int>(k),
+                                  static_cast<int>(w), token_data + r * width,
+                                  parent_data + r * width);
+    });
+  }
+  return {tokens, parents, sizes};
+}
+
+}  // namespace
+
+void bind_drafting(nb::module_& m) {
+  m.def("context_ngram", &context_ngram_cpu, nb::arg("tokens"), nb::arg("lengths"),
+        nb::arg("rows"), nb::arg("drafts"), nb::arg("draft_lengths"), nb::arg("counts"),
+        nb::arg("match_len"), nb::arg("q_min"), nb::arg("q_max"), nb::arg("max_matches"),
+        nb::arg("num_threads") = 0,
+        "Context n-gram drafts for tokens[rows] (CPU, threads, GIL released); fills the outputs.");
+#ifdef VRS_WITH_CUDA
+  m.def("context_ngram", &context_ngram_gpu, nb::arg("tokens"), nb::arg("lengths"),
+        nb::arg("rows"), nb::arg("drafts"), nb::arg("draft_lengths"), nb::arg("counts"),
+        nb::arg("match_len"), nb::arg("q_min"), nb::arg("q_max"), nb::arg("max_matches"),
+        nb::arg("stream") = 0,
+        "Context n-gram drafts on a CUDA device (one thread per request) on the given stream.");
+#endif
+  bind_rest(m);
+  m.def("merge_drafts", &merge_drafts, nb::arg("drafts"), nb::arg("lengths"),
+        nb::arg("num_threads") = 0,
+        "Each row's k drafts [rows, k, w] (lengths [rows, k]) merged into one tree, nodes in the "
+        "order first met (CPU threads, GIL released). Returns new arrays tree_tokens, "
+        "tree_parents [rows, k * w] (-1 padded; parent -1 = the root) and tree_size [rows].");
+}
+
+}  // namespace vrs_bind

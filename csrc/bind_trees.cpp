@@ -1,0 +1,234 @@
+// Bindings of the tree kernels: packing (tree_pack.h) and verification (tree_accept.h), on CPU
+// threads or CUDA.
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "parallel.h"
+#include "tree_accept.h"
+#include "tree_pack.h"
+#ifdef VRS_WITH_CUDA
+#include "tree_cuda.h"
+#endif
+
+namespace vrs_bind {
+namespace {
+
+using Cpu = nb::device::cpu;
+#ifdef VRS_WITH_CUDA
+using Cuda = nb::device::cuda;
+#endif
+
+template <typename Device>
+using FloatMatrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, Device>;
+template <typename Device>
+using SeedVector = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, Device>;
+template <typename Device>
+using MaskMatrix = nb::ndarray<uint64_t, nb::ndim<2>, nb::c_contig, Device>;
+
+// Values scanned worth one thread (about what waking one costs many times over).
+constexpr int64_t kTreeGrain = int64_t{1} << 18;
+
+// Number of trees; offsets must have B + 1 entries.
+template <typename Device>
+int check_offsets_shape(const ConstVector<Device>& offsets) {
+  if (offsets.shape(0) < 1) throw std::invalid_argument("offsets must have B + 1 >= 1 entries");
+  return static_cast<int>(offsets.shape(0) - 1);
+}
+
+// Host offsets must start at 0, never decrease and end at num_nodes (memory safety of the walk).
+void check_offsets_values(const ConstVector<Cpu>& offsets, int64_t num_nodes) {
+  const size_t trees = offsets.shape(0) - 1;
+  bool ok = offsets(0) == 0 && offsets(trees) == num_nodes;
+  for (size_t b = 0; ok && b < trees; ++b) ok = offsets(b) <= offsets(b + 1);
+  if (!ok)
+    throw std::invalid_argument("offsets must start at 0, never decrease and end at " +
+                                std::to_string(num_nodes) + " (the number of nodes)");
+}
+
+template <typename Device>
+int check_pack_args(const ConstVector<Device>& parents, const ConstVector<Device>& offsets,
+                    const Output<Device, 1>& depth, const std::optional<MaskMatrix<Device>>& mask) {
+  check_offsets_shape(offsets);
+  if (depth.shape(0) != parents.shape(0))
+    throw std::invalid_argument("depth must have one entry per node");
+  if (mask && (mask->shape(0) != parents.shape(0) || mask->shape(1) < 1))
+    throw std::invalid_argument("ancestor_mask must have shape [nodes, words >= 1]");
+  return mask ? static_cast<int>(mask->shape(1)) : 0;
+}
+
+int pack_tree_masks_cpu(ConstVector<Cpu> parents, ConstVector<Cpu> offsets,
+                        Output<Cpu, 1> depth,
+                        std::optional<MaskMatrix<Cpu>> mask, int num_threads) {
+  const int words = check_pack_args(parents, offsets, depth, mask);
+  check_offsets_values(offsets, static_cast<int64_t>(parents.shape(0)));
+  const int trees = check_offsets_shape(offsets);
+  const int32_t* parent_data = parents.data();
+  const int32_t* offset_data = offsets.data();
+  int32_t* depth_data = depth.data();
+  uint64_t* mask_data = mask ? mask->data() : nullptr;
+  nb::gil_scoped_release release;
+  const vrs::ThreadPlan plan{num_threads, static_cast<int64_t>(parents.shape(0)) * 64, kTreeGrain};
+  vrs::parallel_for(trees, plan, [&](int64_t b) {
+    const int32_t begin = offset_data[b];
+    for (int32_t i = begin; i < offset_data[b + 1]; ++i) {
+      uint64_t* row = mask_data != nullptr ? mask_data + static_cast<int64_t>(i) * words : nullptr;
+      depth_data[i] = vrs::pack_node(parent_data + begin, i - begin, row, words);
+    }
+  });
+  return trees;
+}
+
+template <typename Device>
+struct TreeAcceptArgs {
+  FloatMatrix<Device> scores;
+  std::optional<FloatMatrix<Device>> draft_probs;
+  ConstVector<Device> tokens, parents, offsets, rules;
+  SeedVector<Device> seeds;
+  Output<Device, 2> out_tokens, path_nodes;
+  Output<Device, 1> num_accepted;
+
+  // Checks the shapes; returns the batch view the kernels read.
+  vrs::TreeBatch batch() const {
+    const size_t trees = check_offsets_shape(offsets);
+    const size_t nodes = parents.shape(0);
+    if (tokens.shape(0) != nodes) throw std::invalid_argument("tokens and parents must have N entries");
+    if (scores.shape(0) != nodes + trees)
+      throw std::invalid_argument("scores must have N + B = " + std::to_string(nodes + trees) +
+                                  " rows, got " + std::to_string(scores.shape(0)));
+    if (scores.shape(1) < 1) throw std::invalid_argument("scores must have a vocabulary axis >= 1");
+    if (draft_probs && (draft_probs->shape(0) != scores.shape(0) ||
+                        draft_probs->shape(1) != scores.shape(1)))
+      throw std::invalid_argument("draft_probs must have the shape of scores");
+    if (rules.shape(0) != trees || seeds.shape(0) != trees || num_accepted.shape(0) != trees)
+      throw std::invalid_argument("rules, seeds and num_accepted must have B entries");
+    if (out_tokens.shape(0) != trees || out_tokens.shape(1) < 1 ||
+        path_nodes.shape(0) != trees || path_nodes.shape(1) != out_tokens.shape(1) - 1)
+      throw std::invalid_argument("out_tokens must be [B, width >= 1] and path_nodes [B, width - 1]");
+    return vrs::TreeBatch{scores.data(),    draft_probs ? draft_probs->data() : nullptr,
+                          static_cast<int64_t>(scores.shape(1)),
+                          tokens.data(),    parents.data(),
+                          offsets.data(),   rules.data(),
+                          seeds.data(),     static_cast<int>(out_tokens.shape(1)),
+                          out_tokens.data(), path_nodes.data(),
+                          num_accepted.data()};
+  }
+};
+
+int accept_trees_cpu(const TreeAcceptArgs<Cpu>& args, int num_threads) {
+  const vrs::TreeBatch batch = args.batch();
+  check_offsets_values(args.offsets, static_cast<int64_t>(args.parents.shape(0)));
+  const int trees = check_offsets_shape(args.offsets);
+  const bool needs_q = batch.draft_probs != nullptr;
+  nb::gil_scoped_release release;
+  const vrs::ThreadPlan plan{num_threads, trees * batch.vocab, kTreeGrain};
+  vrs::parallel_for(trees, plan, [&](int64_t b) {
+    thread_local std::vector<double> p_work;
+    thread_local std::vector<float> q_work;
+    p_work.resize(batch.vocab);
+    if (needs_q) q_work.resize(batch.vocab);
+    vrs::CpuOps ops{batch.vocab};
+    vrs::accept_request(batch, static_cast<int>(b), ops, p_work.data(),
+                        needs_q ? q_work.data() : nullptr);
+  });
+  return trees;
+}
+
+#ifdef VRS_WITH_CUDA
+int pack_tree_masks_gpu(ConstVector<Cuda> parents,
+                        ConstVector<Cuda> offsets, Output<Cuda, 1> depth,
+                        std::optional<MaskMatrix<Cuda>> mask, std::uintptr_t stream) {
+  const int words = check_pack_args(parents, offsets, depth, mask);
+  const int trees = check_offsets_shape(offsets);
+  vrs::PackTreeCudaArgs args{parents.data(), offsets.data(), static_cast<int>(parents.shape(0)),
+                             trees, depth.data(), mask ? mask->data() : nullptr, words, stream};
+  nb::gil_scoped_release release;
+  vrs::pack_tree_masks_cuda(args);
+  return trees;
+}
+
+using Workspace = nb::ndarray<double, nb::ndim<2>, nb::c_contig, Cuda>;
+using DraftWorkspace = nb::ndarray<float, nb::ndim<2>, nb::c_contig, Cuda>;
+
+int accept_trees_gpu(const TreeAcceptArgs<Cuda>& args,
+                     std::optional<Workspace> p_work, std::optional<DraftWorkspace> q_work,
+                     std::uintptr_t stream) {
+  const vrs::TreeBatch batch = args.batch();
+  const int trees = check_offsets_shape(args.offsets);
+  const auto fits = [&](size_t rows, size_t cols) {
+    return rows == static_cast<size_t>(trees) && cols == static_cast<size_t>(batch.vocab);
+  };
+  if ((p_work && !fits(p_work->shape(0), p_work->shape(1))) ||
+      (q_work && !fits(q_work->shape(0), q_work->shape(1))))
+    throw std::invalid_argument("workspaces must have shape [B, V]");
+  nb::gil_scoped_release release;
+  vrs::accept_trees_cuda(batch, trees, p_work ? p_work->data() : nullptr,
+                         q_work ? q_work->data() : nullptr, stream);
+  return trees;
+}
+#endif
+
+}  // namespace
+
+void bind_trees(nb::module_& m) {
+  m.def(
+      "pack_tree_masks",
+      [](ConstVector<Cpu> parents, ConstVector<Cpu> offsets, Output<Cpu, 1> depth,
+         std::optional<MaskMatrix<Cpu>> mask, int num_threads) {
+        return pack_tree_masks_cpu(parents, offsets, depth, mask, num_threads);
+      },
+      nb::arg("parents"), nb::arg("offsets"), nb::arg("depth"), nb::arg("ancestor_mask").none(),
+      nb::arg("num_threads") = 0,
+      "Depth and (optionally) ancestor bitmask of every node of a batch of trees (CPU threads "
+      "over trees, GIL released); fills the outputs.");
+  m.def(
+      "accept_trees",
+      [](FloatMatrix<Cpu> scores, std::optional<FloatMatrix<Cpu>> draft_probs,
+         ConstVector<Cpu> tokens, ConstVector<Cpu> parents, ConstVector<Cpu> offsets,
+         ConstVector<Cpu> rules, SeedVector<Cpu> seeds, Output<Cpu, 2> out_tokens,
+         Output<Cpu, 2> path_nodes, Output<Cpu, 1> num_accepted, int num_threads) {
+        return accept_trees_cpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
+                                 out_tokens, path_nodes, num_accepted},
+                                num_threads);
+      },
+      nb::arg("scores"), nb::arg("draft_probs").none(), nb::arg("tokens"), nb::arg("parents"),
+      nb::arg("offsets"), nb::arg("rules"), nb::arg("seeds"), nb::arg("out_tokens"),
+      nb::arg("path_nodes"), nb::arg("num_accepted"), nb::arg("num_threads") = 0,
+      "Tree verification (greedy, deterministic candidates, MCSS with/without replacement), "
+      "CPU threads over requests, GIL released; fills the outputs.");
+#ifdef VRS_WITH_CUDA
+  m.def(
+      "pack_tree_masks",
+      [](ConstVector<Cuda> parents, ConstVector<Cuda> offsets, Output<Cuda, 1> depth,
+         std::optional<MaskMatrix<Cuda>> mask, std::uintptr_t stream) {
+        return pack_tree_masks_gpu(parents, offsets, depth, mask, stream);
+      },
+      nb::arg("parents"), nb::arg("offsets"), nb::arg("depth"), nb::arg("ancestor_mask").none(),
+      nb::arg("stream") = 0, "pack_tree_masks on a CUDA device (one thread per node).");
+  m.def(
+      "accept_trees",
+      [](FloatMatrix<Cuda> scores, std::optional<FloatMatrix<Cuda>> draft_probs,
+         ConstVector<Cuda> tokens, ConstVector<Cuda> parents, ConstVector<Cuda> offsets,
+         ConstVector<Cuda> rules, SeedVector<Cuda> seeds, Output<Cuda, 2> out_tokens,
+         Output<Cuda, 2> path_nodes, Output<Cuda, 1> num_accepted,
+         std::optional<Workspace> p_workspace, std::optional<DraftWorkspace> q_workspace,
+         std::uintptr_t stream) {
+        return accept_trees_gpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
+                                 out_tokens, path_nodes, num_accepted},
+                                p_workspace, q_workspace, stream);
+      },
+      nb::arg("scores"), nb::arg("draft_probs").none(), nb::arg("tokens"), nb::arg("parents"),
+      nb::arg("offsets"), nb::arg("rules"), nb::arg("seeds"), nb::arg("out_tokens"),
+      nb::arg("path_nodes"), nb::arg("num_accepted"), nb::arg("p_workspace").none(),
+      nb::arg("q_workspace").none(), nb::arg("stream") = 0,
+      "accept_trees on a CUDA device (one block per request); p_workspace [B, V] float64 for "
+      "rules 1-3, q_workspace [B, V] float32 for rule 3.");
+#endif
+}
+
+}  // namespace vrs_bind

@@ -1,0 +1,49 @@
+// Merging a request's k drafts into one tree (N-Grammys' tree mode).
+//
+// Drafts are walked in slot order from the root; a (parent, token) step taken before reuses its
+// node, any other appends a new node. Nodes are thus numbered in the order first met: parents
+// before children, and a node budget that cuts the list keeps the first drafts whole.
+// Reference: vllm_retrieval_spec/kernels/merge_reference.py.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace vrs {
+
+class DraftMerger {
+ public:
+  // drafts [k, w], lengths [k] (each in [0, w]); writes tokens and parents (-1: the root) of
+  // up to k * w nodes and returns the node count.
+  int merge(const int32_t* drafts, const int32_t* lengths, int k, int w, int32_t* tokens,
+            int32_t* parents) {
+    const size_t links = static_cast<size_t>(k) * w + 1;  // slot 0: the root, i + 1: node i
+    first_child_.assign(links, -1);
+    next_sibling_.resize(links);
+    int size = 0;
+    for (int slot = 0; slot < k; ++slot) {
+      int32_t node = -1;
+      for (int t = 0; t < lengths[slot]; ++t)
+        node = child(node, drafts[slot * w + t], tokens, parents, &size);
+    }
+    return size;
+  }
+
+ private:
+  int32_t child(int32_t parent, int32_t token, int32_t* tokens, int32_t* parents, int* size) {
+    int32_t& head = first_child_[parent + 1];
+    for (int32_t c = head; c >= 0; c = next_sibling_[c + 1])
+      if (tokens[c] == token) return c;
+    const int32_t created = (*size)++;
+    tokens[created] = token;
+    parents[created] = parent;
+    next_sibling_[created + 1] = head;
+    head = created;
+    return created;
+  }
+
+  std::vector<int32_t> first_child_;
+  std::vector<int32_t> next_sibling_;
+};
+
+}  // namespace vrs

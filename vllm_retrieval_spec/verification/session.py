@@ -1,0 +1,161 @@
+"""One :class:`SpecSession` per vLLM model runner whose drafter is one of our proposers.
+
+The session is created with the runner (``integration/vllm_patches.py``), handed to the
+drafter, and owns everything that lives between drafting and verification:
+
+- the request ids of the rows being drafted for (from the runner, before each ``propose``);
+- per-request state (:class:`RequestState`), released when the scheduler reports the
+  request finished or aborted;
+- in tree mode, one target step's verification (:class:`TreeStep` below): the step plan
+  (depth positions, flat indices, KV slots), the tree-attention fix-up, the plan the tree
+  sampler walks and the KV compaction of the accepted paths;
+- its counters and its one-time check of the attention KV layout (per runner, so a second
+  engine in the same process checks its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm_retrieval_spec.verification import tree_attention as ops
+from vllm_retrieval_spec.verification.tree_attention import KVLayout
+from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+
+class TreeModeError(RuntimeError):
+    """Tree verification cannot run in this configuration."""
+
+
+@dataclass
+class TreeVerificationStats:
+    """Counters of one runner's tree verification (for tests, benchmarks and operators)."""
+
+    tree_steps: int = 0  # target steps that verified at least one branching tree
+    tree_requests: int = 0  # request-steps verified as trees
+    compacted_slots: int = 0  # K/V slots moved after acceptance
+
+
+@dataclass
+class RequestState:
+    """What the session keeps for one running request."""
+
+    tree: DraftTree | None = None  # the tree drafted at the last step (tree mode)
+    tree_step: int = -1  # the step it was drafted at
+
+
+@dataclass
+class SpecSession:
+    """Per-runner state between our drafter and the verifying target step."""
+
+    tree_mode: bool
+    head_size: int = 0
+    stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    step_req_ids: list[str] = field(default_factory=list)
+    step: int = 0
+    plan: TreeStepPlan | None = None
+    layout_checked: bool = False
+    _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
+    _tree_rows: ops.TreeRows | None = field(default=None, init=False, repr=False)
+    _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
+
+    # ------------------------------------------------------------------ drafting side
+
+    def begin_step(self, req_ids: Sequence[str]) -> None:
+        """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows."""
+        self.step += 1
+        self.step_req_ids = list(req_ids)
+
+    def publish(self, trees: Mapping[int, DraftTree]) -> None:
+        """This step's trees by input-batch row (tree mode); older ones are never verified."""
+        for row, tree in trees.items():
+            state = self.requests.setdefault(self.step_req_ids[row], RequestState())
+            state.tree, state.tree_step = tree, self.step
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Forget finished or aborted requests."""
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+
+    def tree_for(self, req_id: str, scheduled_tokens: Sequence[int]) -> DraftTree:
+        """The tree behind the tokens the scheduler sent back (it may keep only a prefix);
+        a chain when the tokens are not this step's tree (then a chain is what they are)."""
+        state = self.requests.get(req_id)
+        if state is None or state.tree is None or state.tree_step != self.step or not state.tree.matches(
+                scheduled_tokens):
+            return DraftTree.chain(scheduled_tokens)
+        return state.tree.truncated(len(scheduled_tokens))
+
+    # ------------------------------------------------------------- verification side
+
+    def plan_step(self, runner: GPUModelRunner, spec_tokens: Mapping[str, Sequence[int]]) -> None:
+        """Build this step's plan (none when no tree branches) and move the draft nodes'
+        rotary positions to ``base + depth``. Runs after vLLM's ``_prepare_inputs``."""
+        self.plan = None
+        if not spec_tokens:
+            return
+        num_reqs = runner.input_batch.num_reqs
+        req_ids = runner.input_batch.req_ids[:num_reqs]
+        trees = [self.tree_for(req_id, spec_tokens.get(req_id, ())) for req_id in req_ids]
+        plan = TreeStepPlan.build(trees, runner.query_start_loc.np[:num_reqs])
+        if not plan.is_branching():
+            return
+        device = runner.positions.device
+        node_rows = torch.from_numpy(plan.node_rows()).to(device)
+        roots = torch.from_numpy(np.repeat(plan.query_starts, plan.sizes)).to(device)
+        depth = torch.from_numpy(plan.depth).to(device, runner.positions.dtype)
+        runner.positions[node_rows] = runner.positions[roots] + depth
+        plan.draft_slots = runner.input_batch.block_table.block_tables[0].slot_mapping.gpu[node_rows]
+        self._context_lens = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + 1
+        self.stats.tree_steps += 1
+        self.stats.tree_requests += int((plan.sizes > 0).sum())
+        self.plan = plan
+
+    def attend(self, impl: object, layer: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, metadata: object, output: torch.Tensor, layout: KVLayout) -> None:
+        """Recompute the draft rows of this step's branching trees with the tree mask."""
+        plan = self.plan
+        if plan is None or metadata is None:
+            return
+        if not self.layout_checked:
+            self._check_layout(impl, layer, key, value, kv_cache, metadata, layout)
+        if self._tree_rows is None:
+            self._tree_rows = ops.TreeRows.build(plan, self._context_lens, metadata.block_table, kv_cache.shape[2])
+            self._kv_layout = layout
+        ops.apply_tree_attention(impl, query, key, value, kv_cache, layout, output, self._tree_rows)
+
+    def finish_step(self, kv_caches: Sequence[torch.Tensor], path_nodes: np.ndarray,
+                    num_accepted: np.ndarray) -> None:
+        """Move each accepted node's K/V into the draft slot of its depth, then retire the plan."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        if self._kv_layout is None:
+            raise TreeModeError(
+                "this step verified draft trees but no attention layer applied the tree mask: the "
+                "attention backend is not one tree verification supports (CPU_ATTN on the CPU build, "
+                "FLASH_ATTN or TRITON_ATTN on GPUs; pick one with --attention-backend) or use chain mode"
+            )
+        sources, destinations = plan.accepted_moves(path_nodes, num_accepted)
+        self.stats.compacted_slots += len(sources)
+        if len(sources):
+            slots = plan.draft_slots
+            index = torch.from_numpy(np.stack([sources, destinations], axis=1)).to(slots.device)
+            ops.compact_kv(kv_caches, self.head_size, self._kv_layout, slots[index].long())
+        self._tree_rows = self._kv_layout = None
+
+    def _check_layout(self, impl, layer, key, value, kv_cache, metadata, layout: KVLayout) -> None:
+        ops.require_plain_attention(impl)
+        if layout is KVLayout.CPU_VEC:
+            ops.require_cpu_isa(layer.isa)
+        n = metadata.num_actual_tokens
+        ops.check_layout(kv_cache, layout, metadata.slot_mapping[:n].long(), key[:n], value[:n])
+        self.layout_checked = True
