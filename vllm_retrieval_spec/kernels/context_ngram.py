@@ -1,4 +1,4 @@
-"""Context n-gram drafts (algorithms.md §3): the front end of the C++/CUDA kernel.
+"""Context n-gram drafts (prompt lookup; N-Grammys' context source): the front end of the C++/CUDA kernel.
 
 For each requested row, the longest ``q`` in ``[q_min, q_max]`` whose last-``q``-token query
 occurs earlier in the row's context; over the most recent ``max_matches`` earlier occurrences,

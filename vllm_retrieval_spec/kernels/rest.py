@@ -1,4 +1,4 @@
-"""REST retrieval (algorithms.md §1): the front end of the C++ kernel.
+"""REST retrieval (exact-match retrieval, REST paper Algorithms 1 and 2): the front end of the C++ kernel.
 
 Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens)
 found in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens,
