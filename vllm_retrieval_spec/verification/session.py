@@ -99,7 +99,7 @@ class SpecSession:
     def plan_step(self, runner: GPUModelRunner, spec_tokens: Mapping[str, Sequence[int]]) -> None:
         """Build this step's plan (none when no tree branches) and move the draft nodes'
         rotary positions to ``base + depth``. Runs after vLLM's ``_prepare_inputs``."""
-        self.plan = None
+        self.plan = self._tree_rows = self._kv_layout = None
         if not spec_tokens:
             return
         num_reqs = runner.input_batch.num_reqs
@@ -150,7 +150,6 @@ class SpecSession:
             slots = plan.draft_slots
             index = torch.from_numpy(np.stack([sources, destinations], axis=1)).to(slots.device)
             ops.compact_kv(kv_caches, self.head_size, self._kv_layout, slots[index].long())
-        self._tree_rows = self._kv_layout = None
 
     def _check_layout(self, impl, layer, key, value, kv_cache, metadata, layout: KVLayout) -> None:
         ops.require_plain_attention(impl)
