@@ -91,6 +91,3 @@ class DraftTree:
         """True when the scheduler sent back a prefix of this tree's tokens."""
         n = len(scheduled_tokens)
         return len(self.tokens) >= n and list(self.tokens[:n]) == list(scheduled_tokens)
-
-    def branches(self) -> bool:
-        return any(parent != index - 1 for index, parent in enumerate(self.parents))

@@ -55,11 +55,6 @@ class DraftBatch:
     budgets: np.ndarray
     trees: bool = False
 
-    def context(self, index: int) -> np.ndarray:
-        """The full context of requested row ``index`` (a view, not a copy)."""
-        row = int(self.rows[index])
-        return self.token_ids[row, : int(self.num_tokens[row])]
-
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -129,14 +124,15 @@ class DraftProposer(abc.ABC):
         self.stats.drafted_rows += int(np.count_nonzero(sizes))
         self.stats.draft_tokens += int(sizes.sum())
         if trees:
-            self._publish_trees(found, rows, sizes_list)
+            self._publish_trees(drafts, rows, found.tree_parents.tolist(), sizes_list)
         return drafts
 
-    def _publish_trees(self, found: Drafts, rows: list[int], sizes: list[int]) -> None:
-        parents = found.tree_parents.tolist()
+    def _publish_trees(self, drafts: list[list[int]], rows: list[int], parents: list[list[int]],
+                       sizes: list[int]) -> None:
+        """Hand this step's trees (tokens already cut to each row's budget) to the session."""
         self.session.publish({
-            row: DraftTree(tuple(drafted[:size]), tuple(parents[index][:size]))
-            for index, (row, drafted, size) in enumerate(zip(rows, found.tree_tokens.tolist(), sizes)) if size
+            row: DraftTree(tuple(drafts[row]), tuple(row_parents[:size]))
+            for row, row_parents, size in zip(rows, parents, sizes) if size
         })
 
     def _rows_needing_drafts(
