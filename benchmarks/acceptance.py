@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -25,7 +26,13 @@ from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
-from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm  # noqa: E402
+from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
+    EngineSpec,
+    build_llm,
+    drafter_of,
+    generate,
+    shutdown_llm,
+)
 from vllm_retrieval_spec.evaluation.metrics import summarize  # noqa: E402
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
@@ -47,8 +54,13 @@ def _ngram(k: int) -> dict:
 
 CONFIGS: dict[str, dict] = {
     "none": {},
+    # Our proposers run with budget "auto" (the default); *_fixed always drafts up to K.
     "prompt_lookup_k8": _ours("PromptLookupProposer", 8),
+    "prompt_lookup_k8_fixed": _ours("PromptLookupProposer", 8, budget="fixed"),
     "rest_k8": _ours("RestProposer", 8),
+    "rest_k8_fixed": _ours("RestProposer", 8, budget="fixed"),
+    "rest_tree_k16": _ours("RestProposer", 16, tree=True),
+    "ngrammys_tree_k16": _ours("NGrammysProposer", 16, tree=True),
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
@@ -72,6 +84,7 @@ def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, conc
     try:
         generate(llm, prompts[:1], 8)  # warm-up
         run = generate(llm, prompts, max_tokens, concurrency=concurrency)
+        budget = budget_report(llm, concurrency)
     finally:
         shutdown_llm(llm)
     summary = summarize(run.records, run.counters)
@@ -82,43 +95,77 @@ def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, conc
         **summary.as_dict(),
         "seconds": run.seconds,
         "tokens_per_second": summary.generated_tokens / run.seconds,
+        "draft_tokens_per_request_step": summary.draft_tokens / max(summary.decode_steps, 1),
+        "budget": budget,
         "output_ids": [r.output_ids for r in run.records],
     }
 
 
+def budget_report(llm, concurrency: int) -> dict | None:
+    """The goodput budget's counters, calibration buckets and learned cost curve (budget auto)."""
+    drafter = drafter_of(llm)
+    budget = getattr(getattr(drafter, "session", None), "budget", None)
+    if budget is None:
+        return None
+    return {
+        "stats": vars(budget.stats),
+        "cost_coefficients_seconds": budget.cost.coefficients.tolist(),
+        "cost_curve": budget.cost.curve(concurrency),
+        "calibration": budget.calibration.report(),
+    }
+
+
 def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Namespace) -> dict:
+    """Every config on the same prompts; the report is written after each config (a long run
+    that stops keeps what it measured)."""
     tokenizer = None
     if form == "chat":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = humaneval_prompts(args.prompts, form, tokenizer)
-    results = []
+    results, outputs = [], []
+    report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "model": "SmolLM2-135M-Instruct (float32)",
+              "machine": platform.machine(), "processor_count": os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     for name in names:
         print(f"[{form}] {name} ...", flush=True)
-        results.append(run_config(model, name, prompts, args.max_tokens, args.concurrency))
-    reference = results[0]
-    for result in results:
-        result["speedup_vs_none"] = result["tokens_per_second"] / reference["tokens_per_second"]
-        result["prompts_differing_from_none"] = sum(
-            a != b for a, b in zip(reference["output_ids"], result["output_ids"])
-        )
-    for result in results:
-        del result["output_ids"]
-    return {"form": form, "prompts": len(prompts), "results": results}
+        result = run_config(model, name, prompts, args.max_tokens, args.concurrency)
+        outputs.append(result.pop("output_ids"))
+        results.append(result)
+        compare(results, outputs)
+        report_path(form, report, args).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def compare(results: list[dict], outputs: list[list[list[int]]]) -> None:
+    """Ratios to no speculation (the first config) and to vLLM suffix, and differing prompts."""
+    suffix = next((r for r in results if r["config"] == "suffix"), None)
+    for result, output in zip(results, outputs):
+        result["speedup_vs_none"] = result["tokens_per_second"] / results[0]["tokens_per_second"]
+        result["speedup_vs_suffix"] = result["tokens_per_second"] / suffix["tokens_per_second"] if suffix else None
+        result["prompts_differing_from_none"] = sum(a != b for a, b in zip(outputs[0], output))
+
+
+def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
+    tag = f"_{args.tag}" if args.tag else ""
+    return RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}{tag}.json"
 
 
 def print_table(report: dict) -> None:
-    header = (f"{'config':18s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'tok/s':>7s} {'speed-up':>9s} "
-              f"{'differ':>7s}")
+    header = (f"{'config':22s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'drafts':>7s} {'tok/s':>7s} "
+              f"{'vs none':>8s} {'vs suffix':>9s} {'differ':>7s}")
     print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
           f"concurrency {report['concurrency']}")
     print(header)
     for r in report["results"]:
         mal = f"{r['vllm_mean_acceptance_length']:.2f}" if r["vllm_mean_acceptance_length"] else "-"
         rate = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
-        print(f"{r['config']:18s} {r['honest_tokens_per_step']:7.2f} {mal:>9s} {rate:>7s} "
-              f"{r['tokens_per_second']:7.1f} {r['speedup_vs_none']:8.2f}x {r['prompts_differing_from_none']:7d}")
+        vs_suffix = f"{r['speedup_vs_suffix']:.2f}x" if r["speedup_vs_suffix"] else "-"
+        print(f"{r['config']:22s} {r['honest_tokens_per_step']:7.2f} {mal:>9s} {rate:>7s} "
+              f"{r['draft_tokens_per_request_step']:7.2f} {r['tokens_per_second']:7.1f} "
+              f"{r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} {r['prompts_differing_from_none']:7d}")
 
 
 def resolve_configs(requested: list[str]) -> list[str]:
@@ -150,15 +197,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):
         report = benchmark_form(model, form, names, args)
-        report.update(max_tokens=args.max_tokens, concurrency=args.concurrency,
-                      model="SmolLM2-135M-Instruct (float32)", machine=platform.machine(),
-                      processor_count=__import__("os").cpu_count(), date=time.strftime("%Y-%m-%d %H:%M"))
-        tag = f"_{args.tag}" if args.tag else ""
-        out = RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}{tag}.json"
-        out.write_text(json.dumps(report, indent=2) + "\n")
         print_table(report)
-        print(f"written: {out}")
-
+        print(f"written: {report_path(form, report, args)}")
 
 if __name__ == "__main__":
     main()

@@ -160,7 +160,9 @@ void check_rest_params(const vrs::RestParams& prm) {
   if (prm.context_max_matches < 1 || prm.context_max_matches > vrs::kMaxContextMatches)
     throw std::invalid_argument("context_max_matches must be in [1, " +
                                 std::to_string(vrs::kMaxContextMatches) + "]");
-  if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0))
+  if (prm.output_max_matches < 0)
+    throw std::invalid_argument("need output_max_matches >= 0");
+  if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0) || !(prm.output_weight >= 0))
     throw std::invalid_argument("weights must be >= 0");
 }
 
@@ -169,19 +171,28 @@ void check_rest_params(const vrs::RestParams& prm) {
 struct RestArrays {
   std::optional<NewArray<int32_t, 2>> tree_tokens, tree_parents;
   std::optional<NewArray<int32_t, 1>> tree_size;
+  std::optional<NewArray<float, 2>> tree_prob;
+  std::optional<NewArray<int8_t, 2>> tree_source;
   NewArray<int32_t, 2> chain_tokens;
   NewArray<int32_t, 1> chain_size;
+  NewArray<float, 2> chain_prob;
+  NewArray<int8_t, 2> chain_source;
   NewArray<int32_t, 2> match_info;
   std::optional<NewArray<int64_t, 2>> timings;
 
   RestArrays(size_t rows, const vrs::RestParams& prm, bool profile)
       : chain_tokens(new_array<int32_t, 2>({rows, static_cast<size_t>(prm.chain_len)}, -1)),
         chain_size(new_array<int32_t, 1>({rows}, 0)),
-        match_info(new_array<int32_t, 2>({rows, 3}, 0)) {
+        chain_prob(new_array<float, 2>({rows, static_cast<size_t>(prm.chain_len)}, 0)),
+        chain_source(new_array<int8_t, 2>({rows, static_cast<size_t>(prm.chain_len)}, 0)),
+        match_info(new_array<int32_t, 2>({rows, 5}, 0)) {
     if (prm.top_k > 0) {
-      tree_tokens = new_array<int32_t, 2>({rows, static_cast<size_t>(prm.top_k)}, -1);
-      tree_parents = new_array<int32_t, 2>({rows, static_cast<size_t>(prm.top_k)}, -1);
+      const size_t k = static_cast<size_t>(prm.top_k);
+      tree_tokens = new_array<int32_t, 2>({rows, k}, -1);
+      tree_parents = new_array<int32_t, 2>({rows, k}, -1);
       tree_size = new_array<int32_t, 1>({rows}, 0);
+      tree_prob = new_array<float, 2>({rows, k}, 0);
+      tree_source = new_array<int8_t, 2>({rows, k}, 0);
     }
     if (profile) timings = new_array<int64_t, 2>({rows, 4}, 0);
   }
@@ -192,9 +203,12 @@ struct RestArrays {
   }
 
   vrs::RestOutput row(int64_t r, const vrs::RestParams& prm) {
-    return {row_of(tree_tokens, r, prm.top_k),  row_of(tree_parents, r, prm.top_k),
-            row_of(tree_size, r, 1),            chain_tokens.data() + r * prm.chain_len,
-            chain_size.data() + r,              match_info.data() + r * 3,
+    const int64_t chain = r * prm.chain_len;
+    return {row_of(tree_tokens, r, prm.top_k), row_of(tree_parents, r, prm.top_k),
+            row_of(tree_size, r, 1),           row_of(tree_prob, r, prm.top_k),
+            row_of(tree_source, r, prm.top_k), chain_tokens.data() + chain,
+            chain_size.data() + r,             chain_prob.data() + chain,
+            chain_source.data() + chain,       match_info.data() + r * 5,
             row_of(timings, r, 4)};
   }
 
@@ -203,8 +217,12 @@ struct RestArrays {
     out["tree_tokens"] = tree_tokens;
     out["tree_parents"] = tree_parents;
     out["tree_size"] = tree_size;
+    out["tree_prob"] = tree_prob;
+    out["tree_source"] = tree_source;
     out["chain_tokens"] = chain_tokens;
     out["chain_size"] = chain_size;
+    out["chain_prob"] = chain_prob;
+    out["chain_source"] = chain_source;
     out["match_info"] = match_info;
     out["timings_ns"] = timings;
     return out;
@@ -212,9 +230,10 @@ struct RestArrays {
 };
 
 template <typename Tok, typename Idx>
-void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const TokenMatrix<Cpu>& tokens,
-              const ConstVector<Cpu>& lengths, const ConstVector<Cpu>& rows,
-              const vrs::RestParams& prm, RestArrays& out, int num_threads) {
+void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* output,
+              const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
+              const ConstVector<Cpu>& rows, const vrs::RestParams& prm, RestArrays& out,
+              int num_threads) {
   const int64_t row_len = static_cast<int64_t>(tokens.shape(1));
   const int32_t* token_data = tokens.data();
   const int32_t* length_data = lengths.data();
@@ -224,37 +243,49 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const TokenMatrix<Cpu>& t
   vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
-    vrs::rest_retrieve_one(index, token_data + row * row_len, length_data[row], prm, trie,
+    vrs::rest_retrieve_one(index, output, token_data + row * row_len, length_data[row], prm, trie,
                            out.row(r, prm));
   });
 }
 
 // run_rest on the store's index type (or on none: context only).
 template <typename Tok>
-void dispatch_suffix_array(const SuffixStore& store, const TokenMatrix<Cpu>& tokens,
-                           const ConstVector<Cpu>& lengths, const ConstVector<Cpu>& rows,
-                           const vrs::RestParams& prm, RestArrays& out, int num_threads) {
+void dispatch_suffix_array(const SuffixStore& store, const vrs::OutputIndex* output,
+                           const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
+                           const ConstVector<Cpu>& rows, const vrs::RestParams& prm,
+                           RestArrays& out, int num_threads) {
   if (store.suffix_array.dtype() == nb::dtype<int32_t>()) {
     const auto index = store.index<Tok, int32_t>();
-    run_rest(&index, tokens, lengths, rows, prm, out, num_threads);
+    run_rest(&index, output, tokens, lengths, rows, prm, out, num_threads);
   } else {
     const auto index = store.index<Tok, int64_t>();
-    run_rest(&index, tokens, lengths, rows, prm, out, num_threads);
+    run_rest(&index, output, tokens, lengths, rows, prm, out, num_threads);
   }
 }
 
-nb::dict rest_retrieve(const SuffixStore* store, TokenMatrix<Cpu> tokens,
+// The output index's arrays: uint32 tokens and an int32 suffix array (OutputIndex).
+std::optional<vrs::OutputIndex> output_index_of(const SuffixStore* output) {
+  if (output == nullptr) return std::nullopt;
+  if (output->tokens.dtype() != nb::dtype<uint32_t>() ||
+      output->suffix_array.dtype() != nb::dtype<int32_t>())
+    throw std::invalid_argument("the output index must hold uint32 tokens and an int32 suffix array");
+  return output->index<uint32_t, int32_t>();
+}
+
+nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows,
                        const vrs::RestParams& prm, bool profile, int num_threads) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
   RestArrays out(rows.shape(0), prm, profile);
+  const std::optional<vrs::OutputIndex> output_index = output_index_of(output);
+  const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
   if (store == nullptr || !prm.use_datastore) {
-    run_rest<uint16_t, int32_t>(nullptr, tokens, lengths, rows, prm, out, num_threads);
+    run_rest<uint16_t, int32_t>(nullptr, out_index, tokens, lengths, rows, prm, out, num_threads);
   } else if (store->tokens.dtype() == nb::dtype<uint16_t>()) {
-    dispatch_suffix_array<uint16_t>(*store, tokens, lengths, rows, prm, out, num_threads);
+    dispatch_suffix_array<uint16_t>(*store, out_index, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    dispatch_suffix_array<uint32_t>(*store, tokens, lengths, rows, prm, out, num_threads);
+    dispatch_suffix_array<uint32_t>(*store, out_index, tokens, lengths, rows, prm, out, num_threads);
   }
   return out.as_dict();
 }
@@ -274,21 +305,24 @@ void bind_rest(nb::module_& m) {
       .def_rw("use_datastore", &vrs::RestParams::use_datastore)
       .def_rw("use_context", &vrs::RestParams::use_context)
       .def_rw("context_weight", &vrs::RestParams::context_weight)
-      .def_rw("context_max_matches", &vrs::RestParams::context_max_matches);
+      .def_rw("context_max_matches", &vrs::RestParams::context_max_matches)
+      .def_rw("output_weight", &vrs::RestParams::output_weight)
+      .def_rw("output_max_matches", &vrs::RestParams::output_max_matches);
   nb::class_<SuffixStore>(m, "SuffixStore",
                           "A datastore's token array, suffix array and optional first-token "
                           "offsets, as REST reads them (checked once, kept alive).")
       .def(nb::init<AnyVector, AnyVector, uint32_t, std::optional<OffsetVector>>(),
            nb::arg("tokens"), nb::arg("suffix_array"), nb::arg("separator"),
            nb::arg("first_token_offsets").none() = nb::none());
-  m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("tokens"),
+  m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
         nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("profile") = false,
         nb::arg("num_threads") = 0,
         "REST drafts for tokens[rows]: datastore (unless store is None or params.use_datastore "
-        "is false) + context trie, top-k subtree and best chain (CPU threads, GIL released). "
-        "Returns a dict of new arrays: tree_tokens, tree_parents [rows, top_k] and tree_size "
-        "[rows] (None when top_k == 0), chain_tokens [rows, chain_len], chain_size [rows], "
-        "match_info [rows, 3], timings_ns [rows, 4] (None unless profile).");
+        "is false) + output index (unless output is None) + context trie, top-k subtree and best "
+        "chain (CPU threads, GIL released). Returns a dict of new arrays: tree_tokens, "
+        "tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None when "
+        "top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "
+        "[rows], match_info [rows, 5], timings_ns [rows, 4] (None unless profile).");
 }
 
 // ---- Merging drafts into trees (draft_merge.h) ----

@@ -27,6 +27,8 @@ struct RestParams {
   bool use_context = false;
   double context_weight = 0;    // weight of one context continuation (a datastore one weighs 1)
   int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
+  double output_weight = 0;     // weight of one continuation from the output index
+  int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
 };
 
 // Per-request outputs (views into the caller's arrays).
@@ -34,9 +36,14 @@ struct RestOutput {
   int32_t* tree_tokens;   // [top_k] or nullptr when top_k == 0 (as are the next two)
   int32_t* tree_parents;  // [top_k], -1 = child of the root
   int32_t* tree_size;     // scalar
+  float* tree_prob;       // [top_k]: weight(node) / weight(parent), the drafter's acceptance guess
+  int8_t* tree_source;    // [top_k]: kFromDatastore | kFromContext | kFromOutput
   int32_t* chain_tokens;  // [chain_len]
   int32_t* chain_size;    // scalar
-  int32_t* match_info;    // [3]: datastore match length, context match length, datastore matches
+  float* chain_prob;      // [chain_len], as tree_prob
+  int8_t* chain_source;   // [chain_len], as tree_source
+  int32_t* match_info;    // [5]: datastore match length, context match length, datastore matches,
+                          //      output-index match length, output-index matches
   int64_t* timings_ns;    // [4] or nullptr: search, gather, trie, select
 };
 
@@ -119,6 +126,19 @@ struct SuffixIndex {
   }
 };
 
+// Which sources continued a node (bit flags of the *_source outputs).
+constexpr int8_t kFromDatastore = 1;
+constexpr int8_t kFromContext = 2;
+constexpr int8_t kFromOutput = 8;  // 4 is the model's n-gram tables (N-Grammys, Python side)
+
+// Where a selected trie node goes: its token, parent position, weight ratio and sources.
+struct NodeOutput {
+  int32_t* tokens;
+  int32_t* parents;  // nullptr for chains
+  float* prob;
+  int8_t* source;
+};
+
 // Trie of continuations with per-source counts; node 0 is the root.
 class ContinuationTrie {
  public:
@@ -131,10 +151,12 @@ class ContinuationTrie {
     int32_t depth;
     int32_t datastore_count = 0;
     int32_t context_count = 0;
+    int32_t output_count = 0;
   };
 
-  void reset(double context_weight) {
+  void reset(double context_weight, double output_weight) {
     context_weight_ = context_weight;
+    output_weight_ = output_weight;
     nodes_.clear();
     nodes_.push_back(Node{-1, -1, -1, -1, -1, 0});
   }
@@ -147,24 +169,21 @@ class ContinuationTrie {
     if (buffer->size() < n) buffer->resize(n);
     return *buffer;
   }
-  std::vector<int32_t>& length_buffer(size_t n) {
-    if (lengths_.size() < n) lengths_.resize(n);
-    return lengths_;
-  }
 
   template <typename T>
-  void insert(const T* seq, int len, bool from_context) {
+  void insert(const T* seq, int len, int8_t source) {
     if (len <= 0) return;
-    count(0, from_context);
+    count(0, source);
     int32_t cur = 0;
     for (int i = 0; i < len; ++i) {
       cur = child(cur, static_cast<int32_t>(seq[i]));
-      count(cur, from_context);
+      count(cur, source);
     }
   }
 
   double weight(int32_t node) const {
-    return nodes_[node].datastore_count + context_weight_ * nodes_[node].context_count;
+    const Node& n = nodes_[node];
+    return n.datastore_count + context_weight_ * n.context_count + output_weight_ * n.output_count;
   }
 
   // Strict total order: heavier first, then shallower, then smaller token, then older node.
@@ -179,7 +198,7 @@ class ContinuationTrie {
   // The top_k heaviest nodes, written breadth-first (by depth, then rank) with parent
   // positions; returns the count. Every node ranks after its parent, so the top_k form a
   // subtree and a best-first expansion from the root finds them without sorting the trie.
-  int select_tree(int top_k, int32_t* tokens, int32_t* parents) {
+  int select_tree(int top_k, NodeOutput out) {
     if (top_k <= 0) return 0;
     auto worse = [this](int32_t a, int32_t b) { return ranks_before(b, a); };
     std::vector<int32_t>& frontier = scratch_;
@@ -208,14 +227,14 @@ class ContinuationTrie {
     for (int i = 0; i < k; ++i) {
       const Node& node = nodes_[chosen[i]];
       position_[chosen[i]] = i;
-      tokens[i] = node.token;
-      parents[i] = node.parent == 0 ? -1 : position_[node.parent];
+      out.parents[i] = node.parent == 0 ? -1 : position_[node.parent];
+      write(out, i, chosen[i]);
     }
     return k;
   }
 
   // From the root, follow the best-ranked child while it keeps min_ratio of its parent's weight.
-  int select_chain(int chain_len, double min_ratio, int32_t* tokens) const {
+  int select_chain(int chain_len, double min_ratio, NodeOutput out) const {
     int len = 0;
     int32_t cur = 0;
     while (len < chain_len) {
@@ -223,7 +242,7 @@ class ContinuationTrie {
       for (int32_t c = nodes_[cur].first_child; c >= 0; c = nodes_[c].next_sibling)
         if (best < 0 || ranks_before(c, best)) best = c;
       if (best < 0 || weight(best) < min_ratio * weight(cur)) break;
-      tokens[len++] = nodes_[best].token;
+      write(out, len++, best);
       cur = best;
     }
     return len;
@@ -232,8 +251,20 @@ class ContinuationTrie {
   size_t size() const { return nodes_.size(); }
 
  private:
-  void count(int32_t node, bool from_context) {
-    if (from_context) ++nodes_[node].context_count; else ++nodes_[node].datastore_count;
+  void write(NodeOutput out, int i, int32_t node) const {
+    const Node& n = nodes_[node];
+    out.tokens[i] = n.token;
+    out.prob[i] = static_cast<float>(weight(node) / weight(n.parent));
+    out.source[i] = static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
+                                        (n.context_count > 0 ? kFromContext : 0) |
+                                        (n.output_count > 0 ? kFromOutput : 0));
+  }
+
+  void count(int32_t node, int8_t source) {
+    Node& n = nodes_[node];
+    if (source == kFromContext) ++n.context_count;
+    else if (source == kFromOutput) ++n.output_count;
+    else ++n.datastore_count;
   }
 
   int32_t child(int32_t parent, int32_t token) {
@@ -251,10 +282,10 @@ class ContinuationTrie {
   }
 
   double context_weight_ = 1.0;
+  double output_weight_ = 1.0;
   std::vector<Node> nodes_;
   std::vector<uint16_t> buffer16_;
   std::vector<uint32_t> buffer32_;
-  std::vector<int32_t> lengths_;
   std::vector<int32_t> scratch_;
   std::vector<int32_t> chosen_;
   std::vector<int32_t> position_;  // trie node -> index in the selected tree
@@ -286,38 +317,48 @@ int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* c
   return best;
 }
 
+// Insert up to max_matches continuations (cont_len tokens, stopping at separators) of the
+// suffix-array range [lo, hi) matched with match_len tokens, evenly strided over the range.
 template <typename Tok, typename Idx>
-void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, int n,
-                       const RestParams& prm, ContinuationTrie& trie, RestOutput out) {
-  using clock = std::chrono::steady_clock;
-  auto t0 = clock::now();
-  int64_t lo = 0, hi = 0;
-  int ds_len = 0;
-  if (prm.use_datastore && index != nullptr && index->size > 0)
-    ds_len = longest_datastore_match(*index, ctx, n, prm, &lo, &hi);
-  auto t1 = clock::now();
-
-  // Gather the datastore continuations (evenly strided over the SA range), then insert them.
+void insert_continuations(const SuffixIndex<Tok, Idx>& index, int64_t lo, int64_t hi, int match_len,
+                          int max_matches, int cont_len, int8_t source, ContinuationTrie& trie) {
   const int64_t found = hi - lo;
-  const int take = static_cast<int>(std::min<int64_t>(found, prm.max_matches));
-  std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(take) * prm.cont_len);
-  std::vector<int32_t>& lengths = trie.length_buffer(take);
+  const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
+  std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(cont_len));
   for (int j = 0; j < take; ++j) {
-    const int64_t entry = static_cast<int64_t>(index->suffix_array[lo + (j * found) / take]);
-    const int64_t pos = entry + ds_len;
-    Tok* dst = buffer.data() + static_cast<size_t>(j) * prm.cont_len;
+    const int64_t entry = static_cast<int64_t>(index.suffix_array[lo + (j * found) / take]);
+    const int64_t pos = entry + match_len;
     int len = 0;
-    while (index->valid(entry) && len < prm.cont_len && pos + len < index->size &&
-           static_cast<uint32_t>(index->tokens[pos + len]) != index->separator) {
-      dst[len] = index->tokens[pos + len];
+    while (index.valid(entry) && len < cont_len && pos + len < index.size &&
+           static_cast<uint32_t>(index.tokens[pos + len]) != index.separator) {
+      buffer[len] = index.tokens[pos + len];
       ++len;
     }
-    lengths[j] = len;
+    trie.insert(buffer.data(), len, source);
   }
+}
+
+// The output index of finished requests: uint32 tokens, int32 suffix array.
+using OutputIndex = SuffixIndex<uint32_t, int32_t>;
+
+template <typename Tok, typename Idx>
+void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output, const int32_t* ctx,
+                       int n, const RestParams& prm, ContinuationTrie& trie, RestOutput out) {
+  using clock = std::chrono::steady_clock;
+  auto t0 = clock::now();
+  int64_t lo = 0, hi = 0, out_lo = 0, out_hi = 0;
+  int ds_len = 0, out_len = 0;
+  if (prm.use_datastore && index != nullptr && index->size > 0)
+    ds_len = longest_datastore_match(*index, ctx, n, prm, &lo, &hi);
+  if (output != nullptr && output->size > 0 && prm.output_max_matches > 0 && prm.output_weight > 0)
+    out_len = longest_datastore_match(*output, ctx, n, prm, &out_lo, &out_hi);
+  auto t1 = clock::now();
+
+  trie.reset(prm.context_weight, prm.output_weight);
+  if (ds_len > 0) insert_continuations(*index, lo, hi, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
+  if (out_len > 0)
+    insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
   auto t2 = clock::now();
-  trie.reset(prm.context_weight);
-  for (int j = 0; j < take; ++j)
-    trie.insert(buffer.data() + static_cast<size_t>(j) * prm.cont_len, lengths[j], false);
 
   // The request's own context, searched the same way.
   int ctx_len = 0;
@@ -327,18 +368,23 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const int32_t* ctx, i
     ctx_len = longest_recent_match(ctx, n, prm.n_min, prm.n_max, prm.context_max_matches, match_pos, &m);
     for (int i = 0; i < m; ++i) {
       const int start = match_pos[i] + ctx_len;
-      trie.insert(ctx + start, std::min(prm.cont_len, n - start), true);
+      trie.insert(ctx + start, std::min(prm.cont_len, n - start), kFromContext);
     }
   }
   auto t3 = clock::now();
   if (out.tree_size != nullptr)
-    *out.tree_size = trie.select_tree(prm.top_k, out.tree_tokens, out.tree_parents);
-  *out.chain_size = trie.select_chain(prm.chain_len, prm.min_ratio, out.chain_tokens);
+    *out.tree_size = trie.select_tree(
+        prm.top_k, {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});
+  *out.chain_size = trie.select_chain(prm.chain_len, prm.min_ratio,
+                                      {out.chain_tokens, nullptr, out.chain_prob, out.chain_source});
   auto t4 = clock::now();
 
+  const auto clamp32 = [](int64_t v) { return static_cast<int32_t>(std::min<int64_t>(v, INT32_MAX)); };
   out.match_info[0] = ds_len;
   out.match_info[1] = ctx_len;
-  out.match_info[2] = static_cast<int32_t>(std::min<int64_t>(found, INT32_MAX));
+  out.match_info[2] = clamp32(hi - lo);
+  out.match_info[3] = out_len;
+  out.match_info[4] = clamp32(out_hi - out_lo);
   if (out.timings_ns != nullptr) {
     auto ns = [](auto d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
     out.timings_ns[0] = ns(t1 - t0);

@@ -55,6 +55,10 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0
     assert drafter.datastore is not None and drafter.last_drafts is not None
+    budget, output_index = drafter.session.budget, drafter.session.output_index
+    assert budget.stats.chosen_nodes > 0 and budget.stats.observed_nodes > 0  # budget "auto" by default
+    assert budget.stats.chosen_nodes < budget.stats.candidate_nodes
+    assert output_index.stats.sequences_added > 0 and output_index.stats.builds > 0
 
 
 def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e_prompts, baseline_runs):
@@ -86,15 +90,16 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
     assert stats.tree_steps > 0, "no step verified a branching tree"
     assert stats.compacted_slots > 0, "no accepted path needed KV compaction"
     assert drafter.session.requests == {}, "finished requests left state behind"
+    assert drafter.session.budget.factors.slots == {}, "finished requests left budget state behind"
 
 
 def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2e_prompts, baseline_runs):
-    """Tree mode, then chain mode, then tree mode again in one process: every engine stays
-    exact and counts (and checks its KV layout) in its own session."""
+    """Tree mode, then chain mode (with a fixed budget), then tree mode again in one process:
+    every engine stays exact and counts (and checks its KV layout) in its own session."""
     prompts, expected = e2e_prompts[:6], baseline_runs["concurrent"]
     sessions = []
     for tree in (True, False, True):
-        options = {"datastore": str(code_store), "tree": tree}
+        options = {"datastore": str(code_store), "tree": tree, "budget": "auto" if tree else "fixed"}
         with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
             run = generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)
             flush_finished_requests(llm)
@@ -104,6 +109,7 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
     assert first is not last and first.tree_mode and last.tree_mode and not chain.tree_mode
     assert first.layout_checked and last.layout_checked and not chain.layout_checked
     assert first.stats.tree_steps > 0 and last.stats.tree_steps > 0 and chain.stats.tree_steps == 0
+    assert chain.budget is None and first.budget is not last.budget
     assert all(session.requests == {} for session in sessions)
 
 

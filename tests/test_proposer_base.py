@@ -69,3 +69,51 @@ def test_options_are_validated_at_construction():
     proposer = PromptLookupProposer(fake_vllm_config(options={"context_ngram_max": 1}))
     num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2]])
     assert proposer.propose([[2]], num_tokens, token_ids) == [[3, 1, 2]]
+
+
+class RecordingSession:
+    """The session a proposer sees, with a goodput budget and no runner behind it."""
+
+    def __init__(self, req_ids: list[str], budget) -> None:
+        self.step_req_ids = req_ids
+        self.budget = budget
+        self.output_index = None
+        self.trees = {}
+
+    def publish(self, trees) -> None:
+        self.trees = dict(trees)
+
+
+def goodput_budget(per_token_seconds: float):
+    from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
+
+    cost = StepCostModel(prior=(0.05, 0.002, per_token_seconds, 0.0), prior_steps=1e6)
+    return GoodputBudget(margin=0.05, cost=cost)
+
+
+def test_budget_auto_drafts_when_verification_is_cheap_and_not_when_it_is_dear():
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2, 3, 1, 2]])
+    cheap = PromptLookupProposer(fake_vllm_config())
+    cheap.bind_session(RecordingSession(["a"], goodput_budget(1e-5)))
+    assert cheap.propose([[2]], num_tokens, token_ids) == [[3, 1, 2]]
+    dear = PromptLookupProposer(fake_vllm_config())
+    dear.bind_session(RecordingSession(["a"], goodput_budget(1.0)))
+    assert dear.propose([[2]], num_tokens, token_ids) == [[]]
+    assert dear.session.budget.stats.candidate_nodes == 3 and dear.session.budget.stats.chosen_nodes == 0
+
+
+def test_budget_auto_learns_from_the_next_step_and_trees_keep_parents_first():
+    from vllm_retrieval_spec.proposers.rest import RestProposer
+
+    config = fake_vllm_config(k=8, options={"use_datastore": False, "tree": True, "min_ratio": 0.0})
+    config.model_config.tokenizer = None
+    proposer = RestProposer(config)
+    session = RecordingSession(["a"], goodput_budget(1e-5))
+    proposer.bind_session(session)
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2, 4, 1, 2]])
+    drafts = proposer.propose([[2]], num_tokens, token_ids)
+    tree = session.trees[0]
+    assert list(tree.tokens) == drafts[0] and len(drafts[0]) > 0
+    assert all(-1 <= parent < index for index, parent in enumerate(tree.parents))
+    proposer.propose([[drafts[0][0], 7]], num_tokens, token_ids)  # the first node was accepted
+    assert session.budget.stats.accepted_nodes == 1 and session.budget.stats.observed_nodes >= 2

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydivsufsort import divsufsort
 
+from vllm_retrieval_spec.datastores.output_index import SEPARATOR, OutputIndex
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
+from vllm_retrieval_spec.drafts import SOURCE_OUTPUT
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.kernels.rest_reference import rest_retrieve_reference
 from vllm_retrieval_spec.options import RetrievalSpecOptions
@@ -38,19 +40,33 @@ def pack(contexts):
     return tokens, np.array([len(c) for c in contexts], np.int32)
 
 
-def kernel_results(store, contexts, params, num_threads=0):
+def kernel_results(store, contexts, params, num_threads=0, output=None):
     tokens, lengths = pack(contexts)
-    out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads)
-    return [
-        {"tree": out.tree(i), "chain": out.chain(i), "match_info": out.match_info[i].tolist()}
-        for i in range(len(contexts))
-    ]
+    out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads,
+                        output_index=None if output is None else output.native)
+    results = []
+    for i in range(len(contexts)):
+        tree_size, chain_size = int(out.tree_size[i]), int(out.chain_size[i])
+        results.append({
+            "tree": out.tree(i), "chain": out.chain(i), "match_info": out.match_info[i].tolist(),
+            "tree_nodes": (out.tree_prob[i, :tree_size].tolist(), out.tree_source[i, :tree_size].tolist()),
+            "chain_nodes": (out.chain_prob[i, :chain_size].tolist(), out.chain_source[i, :chain_size].tolist()),
+        })
+    return results
 
 
-def reference_results(store, contexts, params):
+def reference_results(store, contexts, params, output=None):
     return rest_retrieve_reference(
-        None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params
+        None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params,
+        None if output is None else output.tokens, SEPARATOR,
     )
+
+
+def output_index_of(sequences):
+    index = OutputIndex(capacity_tokens=10_000, background=False)
+    for sequence in sequences:
+        index.add(np.array(sequence))
+    return index
 
 
 def assert_tree_is_parents_first(tree_tokens, tree_parents):
@@ -71,6 +87,8 @@ params_strategy = st.builds(
     use_context=st.booleans(),
     context_weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
     context_max_matches=st.integers(1, 8),
+    output_weight=st.sampled_from([0.0, 1.0, 2.5]),
+    output_max_matches=st.integers(0, 8),
 )
 documents_strategy = st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=6)
 # Context ids 0..4: id 4 is outside a vocabulary of 4 (no suffix can start with it).
@@ -79,11 +97,13 @@ contexts_strategy = st.lists(st.lists(st.integers(0, 4), max_size=25), min_size=
 
 @settings(max_examples=400, deadline=None)
 @given(documents=documents_strategy, contexts=contexts_strategy, params=params_strategy,
-       wide=st.booleans(), vocab_size=st.sampled_from([None, 4, 6]), num_threads=st.integers(0, 3))
-def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, vocab_size, num_threads):
+       wide=st.booleans(), vocab_size=st.sampled_from([None, 4, 6]), num_threads=st.integers(0, 3),
+       outputs=st.lists(st.lists(st.integers(0, 4), max_size=20), max_size=4))
+def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, vocab_size, num_threads, outputs):
     store = make_store(documents, np.uint32 if wide else np.uint16, np.int64 if wide else np.int32, vocab_size)
-    got = kernel_results(store, contexts, params, num_threads)
-    assert got == reference_results(store, contexts, params)
+    output = output_index_of(outputs)
+    got = kernel_results(store, contexts, params, num_threads, output)
+    assert got == reference_results(store, contexts, params, output)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
 
@@ -93,7 +113,7 @@ def test_matches_stop_at_document_separators_and_the_end_of_the_store(vocab_size
     store = make_store([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9, 1, 2]], vocab_size=vocab_size)
     params = RestParams(n_min=1, n_max=4, cont_len=4, top_k=8, chain_len=4, min_ratio=0.0, use_context=False)
     (result,) = kernel_results(store, [[8, 1, 2]], params)
-    assert result["match_info"] == [2, 0, 3]  # "1 2" three times, one at the very end
+    assert result["match_info"] == [2, 0, 3, 0, 0]  # "1 2" three times, one at the very end
     tree_tokens, _ = result["tree"]
     assert sorted(tree_tokens) == [3, 4, 5, 6, 7]
     assert result == reference_results(store, [[8, 1, 2]], params)[0]
@@ -122,7 +142,7 @@ def test_context_only_when_no_store():
     params = RestParams(n_min=1, n_max=4, top_k=4, chain_len=3, min_ratio=0.0)
     (result,) = kernel_results(None, [[1, 2, 3, 1, 2]], params)
     assert result["chain"] == [3, 1, 2]
-    assert result["match_info"] == [0, 2, 0]
+    assert result["match_info"] == [0, 2, 0, 0, 0]
 
 
 def test_context_weight_tips_the_chain():
@@ -180,3 +200,14 @@ def test_corrupt_suffix_arrays_and_offsets_are_never_read_out_of_bounds(wide):
     params = RestParams(n_max=4, max_matches=8, cont_len=4, top_k=8, chain_len=4)
     for result in kernel_results(store, contexts, params):  # anything, but no crash
         assert_tree_is_parents_first(*result["tree"])
+
+
+def test_output_index_continuations_join_the_trie_with_their_own_weight():
+    output = output_index_of([[1, 2, 9, 9], [1, 2, 9, 8]])
+    params = RestParams(n_min=1, n_max=2, cont_len=2, top_k=4, chain_len=2, min_ratio=0.0, use_context=False,
+                        output_weight=3.0)
+    (result,) = kernel_results(None, [[5, 1, 2]], params, output=output)
+    assert result["match_info"] == [0, 0, 0, 2, 2]
+    assert result["chain"] == [9, 8]  # a tie goes to the smaller token
+    assert result["chain_nodes"] == ([1.0, 0.5], [SOURCE_OUTPUT, SOURCE_OUTPUT])
+    assert result == reference_results(None, [[5, 1, 2]], params, output)[0]

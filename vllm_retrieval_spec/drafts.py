@@ -2,7 +2,8 @@
 
 Kernels fill fixed-width arrays (``-1`` padded); the proposers' base reads them with one
 slice per step, never per-row Python objects. :class:`DraftArrays` gives any such result
-the :class:`Drafts` methods.
+the :class:`Drafts` methods, and :meth:`DraftArrays.nodes` the candidate nodes with what the
+drafter knows of each (source, match length, raw acceptance guess) for the goodput budget.
 """
 
 from __future__ import annotations
@@ -12,6 +13,32 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+# Where a draft node came from (bit flags; REST's kernel writes the first two).
+SOURCE_DATASTORE = 1
+SOURCE_CONTEXT = 2
+SOURCE_MODEL = 4  # the model's own n-gram tables (N-Grammys' bigram)
+SOURCE_OUTPUT = 8  # the cross-request output index (REST)
+NUM_SOURCE_CODES = 16
+
+
+@dataclass
+class DraftNodes:
+    """One step's candidate draft nodes, ``[rows, N]`` arrays (parents first, parent -1 =
+    the root, -1 padded after ``size[i]``): ``prob`` is the drafter's raw guess that a node
+    is accepted given its parent is, ``source`` its ``SOURCE_*`` flags and ``match_len`` the
+    length of the match that retrieved it."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    size: np.ndarray
+    prob: np.ndarray
+    source: np.ndarray
+    match_len: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
 
 
 @runtime_checkable
@@ -33,9 +60,14 @@ class Drafts(Protocol):
 
     def tree(self, index: int) -> tuple[list[int], list[int]]: ...
 
+    def nodes(self, trees: bool) -> DraftNodes: ...
+
 
 class DraftArrays:
-    """``chain(i)`` / ``tree(i)`` for a class with the :class:`Drafts` array attributes."""
+    """``chain(i)`` / ``tree(i)`` / ``nodes(trees)`` for a class with the :class:`Drafts` array
+    attributes. Optional attributes refine :meth:`nodes`: ``chain_prob`` / ``tree_prob`` and
+    ``chain_source`` / ``tree_source`` (``[rows, N]``), else every node gets probability 1 and
+    the row's :meth:`row_sources`; :meth:`row_match_len` gives each source's match length."""
 
     chain_tokens: np.ndarray
     chain_size: np.ndarray
@@ -51,6 +83,36 @@ class DraftArrays:
             raise ValueError("these drafts have no trees (the drafter ran in chain mode)")
         size = int(self.tree_size[index])
         return self.tree_tokens[index, :size].tolist(), self.tree_parents[index, :size].tolist()
+
+    def nodes(self, trees: bool) -> DraftNodes:
+        """The trees (when ``trees`` and built) or the chains as candidate nodes."""
+        kind = "tree" if trees and self.tree_tokens is not None else "chain"
+        tokens = np.asarray(getattr(self, f"{kind}_tokens"))
+        size = np.asarray(getattr(self, f"{kind}_size"))
+        rows, width = tokens.shape
+        if kind == "tree":
+            parents = np.asarray(self.tree_parents)
+        else:
+            parents = np.broadcast_to(np.arange(-1, width - 1, dtype=np.int32), (rows, width))
+        prob = getattr(self, f"{kind}_prob", None)
+        prob = np.ones((rows, width), np.float32) if prob is None else np.asarray(prob)
+        source = getattr(self, f"{kind}_source", None)
+        if source is None:
+            source = np.broadcast_to(self.row_sources()[:, None], (rows, width))
+        source = np.asarray(source, dtype=np.int8)
+        match_len = np.zeros((rows, width), np.int32)
+        for flag, lengths in self.row_match_len().items():
+            match_len = np.where(source & flag, np.maximum(match_len, np.asarray(lengths)[:, None]), match_len)
+        return DraftNodes(tokens, parents, size, prob, source, match_len)
+
+    def row_sources(self) -> np.ndarray:
+        """Each row's ``SOURCE_*`` flags when the drafter has no per-node sources."""
+        return np.full(len(self.chain_size), SOURCE_CONTEXT, np.int8)
+
+    def row_match_len(self) -> dict[int, np.ndarray]:
+        """Per ``SOURCE_*`` flag, each row's match length in that source (none known: empty);
+        a node takes the longest of its sources'."""
+        return {}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 
 OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
+BUDGET_POLICIES = ("auto", "fixed")
 # Renamed options, old name -> new name: the old names are rejected with a message naming the new.
 RENAMED_OPTIONS = {
     "k": "ngrammys_drafts",
@@ -131,6 +132,21 @@ class RetrievalSpecOptions:
     )
     cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
     top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
+    use_output_index: bool = _option(
+        True, _bool,
+        "REST: also retrieve from the tokens (prompt and output) of this engine's recently finished requests",
+    )
+    output_index_tokens: int = _option(
+        10_000_000, _int_in(1024, 2**31 - 2),
+        "REST: tokens the output index keeps (oldest requests evicted first; about 8 bytes per token, twice "
+        "while it is rebuilt)",
+    )
+    output_weight: float = _option(
+        4.0, _float_in(0.0, 1e6), "REST: weight of one output-index continuation (a datastore one weighs 1)"
+    )
+    output_max_matches: int = _option(
+        64, _int_in(1, 100_000), "REST: output-index continuations per request (evenly sampled)"
+    )
     tree: bool = _option(
         False, _bool,
         "REST, N-Grammys: draft trees of up to num_speculative_tokens nodes, verified as trees "
@@ -138,6 +154,17 @@ class RetrievalSpecOptions:
     )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
+    )
+
+    budget: str = _option(
+        "auto", _one_of(*BUDGET_POLICIES),
+        "auto: each step, keep the drafted nodes that raise the batch's expected tokens per second "
+        "(calibrated acceptance over the engine's measured step cost), possibly none; fixed: "
+        "always draft up to num_speculative_tokens",
+    )
+    budget_margin: float = _option(
+        0.05, _float_in(0.0, 10.0),
+        "budget auto: draft only when the expected tokens per second beat no speculation by this fraction",
     )
 
     ngram_table: str = _option(

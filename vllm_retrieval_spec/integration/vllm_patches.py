@@ -12,12 +12,15 @@ import builtins
 import functools
 import importlib.metadata
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
+from vllm_retrieval_spec.datastores.output_index import OutputIndex
+from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
@@ -173,21 +176,32 @@ def _runner_init(original: Callable) -> Callable:
 
 def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
     """Create the runner's :class:`SpecSession`, hand it to the drafter and hook the runner."""
-    session = SpecSession(tree_mode=drafter.options.tree, head_size=runner.model_config.get_head_size())
+    options = drafter.options
+    budget = None
+    if options.budget == "auto":
+        budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel.for_device(runner.device.type))
+    output_index = OutputIndex(options.output_index_tokens) if drafter.uses_output_index() else None
+    session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
+                          output_index=output_index)
     drafter.bind_session(session)
     runner.vrs_session = session
 
     def release_finished(original: Callable) -> Callable:
         def _update_states(scheduler_output, *args, **kwargs):
-            session.release(scheduler_output.finished_req_ids)
+            finished = scheduler_output.finished_req_ids
+            if finished:
+                session.release(finished, _finished_tokens(runner, finished) if session.output_index else ())
             return original(scheduler_output, *args, **kwargs)
 
         return _update_states
 
     def begin_step(original: Callable) -> Callable:
-        def propose_draft_token_ids(*args, **kwargs):
-            session.begin_step(runner.input_batch.req_ids)
-            return original(*args, **kwargs)
+        def propose_draft_token_ids(scheduler_output, *args, **kwargs):
+            session.begin_step(runner.input_batch.req_ids, scheduler_output.total_num_scheduled_tokens)
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                session.end_step()
 
         return propose_draft_token_ids
 
@@ -196,6 +210,15 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     if session.tree_mode:
         _install_tree_verification(runner, session)
     return session
+
+
+def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> Iterator[np.ndarray]:
+    """The tokens (prompt and output) of the finished requests still in the input batch."""
+    batch = runner.input_batch
+    for req_id in req_ids:
+        row = batch.req_id_to_index.get(req_id)
+        if row is not None:
+            yield batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]]
 
 
 def _install_tree_verification(runner: GPUModelRunner, session: SpecSession) -> None:

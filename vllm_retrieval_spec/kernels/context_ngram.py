@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import DraftArrays
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, DraftArrays
 from vllm_retrieval_spec.kernels.extension import cuda_torch, is_cuda_tensor, load_extension
 
 
@@ -33,6 +33,9 @@ class ContextNgramDrafts(DraftArrays):
     match_len: Any
 
     tree_tokens = tree_parents = tree_size = None
+
+    def row_match_len(self) -> dict[int, Any]:
+        return {SOURCE_CONTEXT: self.match_len}
 
     @property
     def chain_tokens(self) -> Any:

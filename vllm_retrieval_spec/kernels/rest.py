@@ -2,9 +2,10 @@
 
 Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens)
 found in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens,
-stopping at document separators, evenly strided over the suffix-array range), plus the
-continuations of the longest suffix found earlier in the row's own context (each weighing
-``context_weight``), merged into one trie. Output: the ``top_k`` heaviest nodes as a subtree,
+stopping at document separators, evenly strided over the suffix-array range), the same from
+the cross-request output index (up to ``output_max_matches``, each weighing
+``output_weight``), plus the continuations of the longest suffix found earlier in the row's
+own context (each weighing ``context_weight``), merged into one trie. Output: the ``top_k`` heaviest nodes as a subtree,
 breadth-first (parents before children), and the heaviest chain, which stops when a child
 keeps less than ``min_ratio`` of its parent's weight. Ties: heavier, shallower, smaller token,
 earlier-created node. The brute-force reference is :mod:`vllm_retrieval_spec.kernels.rest_reference`.
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import DraftArrays
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_OUTPUT, DraftArrays
 from vllm_retrieval_spec.kernels.extension import load_extension
 
 TIMING_PHASES = ("search", "gather", "trie", "select")
@@ -42,6 +43,8 @@ class RestParams:
     use_context: bool = True
     context_weight: float = 256.0
     context_max_matches: int = 64
+    output_weight: float = 4.0
+    output_max_matches: int = 64
 
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
@@ -54,18 +57,28 @@ class RestParams:
 
 @dataclass
 class RestDrafts(DraftArrays):
-    """Trees ``[rows, top_k]`` (-1 padded; parent -1 = the root; all three None when
-    ``top_k`` is 0), chains ``[rows, chain_len]``, ``match_info`` ``[rows, 3]`` (datastore
-    match length, context match length, datastore matches found) and, when profiled,
-    ``timings_ns`` ``[rows, 4]`` (TIMING_PHASES)."""
+    """Trees ``[rows, top_k]`` (-1 padded; parent -1 = the root; all None when ``top_k`` is
+    0), chains ``[rows, chain_len]``, each node's ``*_prob`` (its trie weight over its
+    parent's) and ``*_source`` (``SOURCE_*`` flags of the sources that continued it), ``match_info``
+    ``[rows, 5]`` (datastore match length, context match length, datastore matches found,
+    output-index match length, output-index matches found) and,
+    when profiled, ``timings_ns`` ``[rows, 4]`` (TIMING_PHASES)."""
 
     tree_tokens: np.ndarray | None
     tree_parents: np.ndarray | None
     tree_size: np.ndarray | None
+    tree_prob: np.ndarray | None
+    tree_source: np.ndarray | None
     chain_tokens: np.ndarray
     chain_size: np.ndarray
+    chain_prob: np.ndarray
+    chain_source: np.ndarray
     match_info: np.ndarray
     timings_ns: np.ndarray | None = None
+
+    def row_match_len(self) -> dict[int, np.ndarray]:
+        info = self.match_info
+        return {SOURCE_DATASTORE: info[:, 0], SOURCE_CONTEXT: info[:, 1], SOURCE_OUTPUT: info[:, 3]}
 
 
 def rest_retrieve(
@@ -75,11 +88,14 @@ def rest_retrieve(
     rows: np.ndarray,
     params: RestParams,
     *,
+    output_index: Any = None,
     num_threads: int = 0,
     profile: bool = False,
 ) -> RestDrafts:
     """Draft for ``tokens[rows]`` (vLLM's ``token_ids_cpu`` layout) from ``store`` (a
-    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only).
+    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only) and
+    ``output_index`` (the ``native`` build of an
+    :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None).
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
     native_store = None if store is None else ext.SuffixStore(
@@ -87,6 +103,7 @@ def rest_retrieve(
     )
     arrays = ext.rest_retrieve(
         native_store,
+        output_index,
         np.ascontiguousarray(tokens, dtype=np.int32),
         np.ascontiguousarray(lengths, dtype=np.int32),
         np.ascontiguousarray(rows, dtype=np.int32),

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_OUTPUT
 from vllm_retrieval_spec.kernels.rest import RestParams
 
 
@@ -19,15 +20,18 @@ class _Node:
     depth: int
     datastore: int = 0
     context: int = 0
+    output: int = 0
 
 
 class _ReferenceTrie:
-    def __init__(self, context_weight: float) -> None:
+    def __init__(self, context_weight: float, output_weight: float) -> None:
         self.context_weight = context_weight
+        self.output_weight = output_weight
         self.nodes = [_Node(-1, -1, 0)]
         self.children: dict[tuple[int, int], int] = {}
 
-    def insert(self, sequence: Sequence[int], from_context: bool) -> None:
+    def insert(self, sequence: Sequence[int], source: str) -> None:
+        """Count ``sequence`` for ``source`` ("datastore", "context" or "output")."""
         if not sequence:
             return
         path = [0]
@@ -38,25 +42,33 @@ class _ReferenceTrie:
                 self.nodes.append(_Node(int(token), path[-1], len(path)))
             path.append(self.children[key])
         for node in path:
-            if from_context:
-                self.nodes[node].context += 1
-            else:
-                self.nodes[node].datastore += 1
+            setattr(self.nodes[node], source, getattr(self.nodes[node], source) + 1)
 
     def weight(self, node: int) -> float:
-        return self.nodes[node].datastore + self.context_weight * self.nodes[node].context
+        n = self.nodes[node]
+        return n.datastore + self.context_weight * n.context + self.output_weight * n.output
+
+    def describe(self, nodes: Sequence[int]) -> tuple[list[float], list[int]]:
+        """Each node's weight over its parent's (as float32) and its source flags."""
+        probs = [float(np.float32(self.weight(n) / self.weight(self.nodes[n].parent))) for n in nodes]
+        sources = [SOURCE_DATASTORE * (self.nodes[n].datastore > 0) + SOURCE_CONTEXT * (self.nodes[n].context > 0)
+                   + SOURCE_OUTPUT * (self.nodes[n].output > 0) for n in nodes]
+        return probs, sources
 
     def rank(self, node: int) -> tuple:
         return (-self.weight(node), self.nodes[node].depth, self.nodes[node].token, node)
 
-    def tree(self, top_k: int) -> tuple[list[int], list[int]]:
+    def tree(self, top_k: int) -> list[int]:
+        """The top_k heaviest nodes, by depth then rank."""
         chosen = sorted(range(1, len(self.nodes)), key=self.rank)[:top_k]
-        chosen.sort(key=lambda n: (self.nodes[n].depth, self.rank(n)))
+        return sorted(chosen, key=lambda n: (self.nodes[n].depth, self.rank(n)))
+
+    def parents(self, chosen: list[int]) -> list[int]:
         position = {node: i for i, node in enumerate(chosen)}
-        parents = [-1 if self.nodes[n].parent == 0 else position[self.nodes[n].parent] for n in chosen]
-        return [self.nodes[n].token for n in chosen], parents
+        return [-1 if self.nodes[n].parent == 0 else position[self.nodes[n].parent] for n in chosen]
 
     def chain(self, chain_len: int, min_ratio: float) -> list[int]:
+        """The nodes of the heaviest chain."""
         chain, node = [], 0
         while len(chain) < chain_len:
             kids = [c for (p, _), c in self.children.items() if p == node]
@@ -65,39 +77,52 @@ class _ReferenceTrie:
             best = min(kids, key=self.rank)
             if self.weight(best) < min_ratio * self.weight(node):
                 break
-            chain.append(self.nodes[best].token)
+            chain.append(best)
             node = best
         return chain
 
+    def tokens(self, nodes: list[int]) -> list[int]:
+        return [self.nodes[n].token for n in nodes]
+
 
 def rest_retrieve_reference(
-    store_tokens: np.ndarray | None, separator: int, contexts: Sequence[Sequence[int]], params: RestParams
+    store_tokens: np.ndarray | None, separator: int, contexts: Sequence[Sequence[int]], params: RestParams,
+    output_tokens: np.ndarray | None = None, output_separator: int = 0,
 ) -> list[dict[str, Any]]:
     """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort."""
     results = []
     for context in contexts:
         ctx = [int(t) for t in context]
-        trie = _ReferenceTrie(params.context_weight)
+        trie = _ReferenceTrie(params.context_weight, params.output_weight)
         ds_len, found = 0, 0
         if params.use_datastore and store_tokens is not None and len(store_tokens):
-            ds_len, continuations, found = _datastore_continuations(store_tokens, separator, ctx, params)
+            ds_len, continuations, found = _store_continuations(store_tokens, separator, ctx, params,
+                                                                params.max_matches)
             for continuation in continuations:
-                trie.insert(continuation, from_context=False)
+                trie.insert(continuation, "datastore")
+        out_len, out_found = 0, 0
+        if output_tokens is not None and len(output_tokens) and params.output_max_matches and params.output_weight:
+            out_len, continuations, out_found = _store_continuations(output_tokens, output_separator, ctx, params,
+                                                                     params.output_max_matches)
+            for continuation in continuations:
+                trie.insert(continuation, "output")
         ctx_len = 0
         if params.use_context and params.context_weight > 0:
             ctx_len, continuations = _context_continuations(ctx, params)
             for continuation in continuations:
-                trie.insert(continuation, from_context=True)
-        tree_tokens, tree_parents = trie.tree(params.top_k)
+                trie.insert(continuation, "context")
+        tree, chain = trie.tree(params.top_k), trie.chain(params.chain_len, params.min_ratio)
         results.append({
-            "tree": (tree_tokens, tree_parents),
-            "chain": trie.chain(params.chain_len, params.min_ratio),
-            "match_info": [ds_len, ctx_len, found],
+            "tree": (trie.tokens(tree), trie.parents(tree)),
+            "chain": trie.tokens(chain),
+            "match_info": [ds_len, ctx_len, found, out_len, out_found],
+            "tree_nodes": trie.describe(tree),
+            "chain_nodes": trie.describe(chain),
         })
     return results
 
 
-def _datastore_continuations(store_tokens, separator, ctx, params):
+def _store_continuations(store_tokens, separator, ctx, params, max_matches):
     store = [int(t) for t in store_tokens]
     for n in range(min(params.n_max, len(ctx)), max(params.n_min, 1) - 1, -1):
         query = ctx[len(ctx) - n:]
@@ -106,7 +131,7 @@ def _datastore_continuations(store_tokens, separator, ctx, params):
             continue
         positions.sort(key=lambda p: store[p:])
         found = len(positions)
-        take = min(found, params.max_matches)
+        take = min(found, max_matches)
         continuations = []
         for j in range(take):
             start = positions[j * found // take] + n

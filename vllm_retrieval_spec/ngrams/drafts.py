@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import DraftArrays
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_MODEL, DraftArrays
 from vllm_retrieval_spec.kernels import context_ngram
 from vllm_retrieval_spec.kernels.draft_merge import merge_drafts
 from vllm_retrieval_spec.ngrams.table import NgramTable
@@ -43,6 +43,10 @@ class NgramDrafts(DraftArrays):
             self.tokens, self.lengths, num_threads=num_threads
         )
         return self
+
+    def row_sources(self) -> np.ndarray:
+        """Context when the row's first draft came from its context, else the model's bigram."""
+        return np.where(self.from_context > 0, SOURCE_CONTEXT, SOURCE_MODEL).astype(np.int8)
 
     def tree(self, index: int) -> tuple[list[int], list[int]]:
         """Row ``index``'s tree (built for all rows first when it was not)."""

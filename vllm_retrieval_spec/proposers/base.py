@@ -6,7 +6,9 @@ target step, expecting one list of at most ``num_speculative_tokens`` draft toke
 input-batch row. This base class turns that call into a :class:`DraftBatch` of the rows
 that need drafts, each with a token budget that respects ``num_speculative_tokens`` and
 ``max_model_len``; the subclass returns :class:`~vllm_retrieval_spec.drafts.Drafts`, read
-back with one slice per step. A failure of the subclass becomes "no drafts this step"
+back with one slice per step. With ``budget: auto`` (the default) the runner's goodput
+budget first skips rows not worth searching, then keeps only the drafted nodes that raise
+the batch's expected tokens per second. A failure of the subclass becomes "no drafts this step"
 (logged once, counted) instead of a dead server. In tree mode the trees go to the runner's
 :class:`~vllm_retrieval_spec.verification.session.SpecSession`, bound by the integration.
 """
@@ -14,6 +16,7 @@ back with one slice per step. A failure of the subclass becomes "no drafts this 
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -22,7 +25,9 @@ import numpy as np
 from vllm.logger import init_logger
 
 from vllm_retrieval_spec.compat import require_supported_vllm
-from vllm_retrieval_spec.drafts import Drafts, DraftTree
+from vllm_retrieval_spec.datastores.output_index import OutputIndex
+from vllm_retrieval_spec.drafts import DraftNodes, Drafts, DraftTree
+from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 
 if TYPE_CHECKING:
@@ -34,6 +39,10 @@ logger = init_logger(__name__)
 
 class DraftSession(Protocol):
     """What a proposer needs of the runner's session (``verification.session.SpecSession``)."""
+
+    step_req_ids: list[str]  # the request id of every input-batch row this step
+    budget: GoodputBudget | None  # the goodput budget (``budget: auto``), else None
+    output_index: OutputIndex | None  # the cross-request output index, when uses_output_index()
 
     def publish(self, trees: Mapping[int, DraftTree]) -> None:
         """This step's trees by input-batch row."""
@@ -57,6 +66,10 @@ class DraftBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def subset(self, keep: np.ndarray) -> DraftBatch:
+        """The rows where ``keep`` is true."""
+        return DraftBatch(self.token_ids, self.num_tokens, self.rows[keep], self.budgets[keep], self.trees)
 
 
 @dataclass
@@ -87,6 +100,10 @@ class DraftProposer(abc.ABC):
         """The runner's session (request ids, per-request state, tree verification)."""
         self.session = session
 
+    def uses_output_index(self) -> bool:
+        """Whether the runner's session should keep a cross-request output index for us."""
+        return False
+
     def load_model(self, target_model: torch.nn.Module) -> None:  # noqa: B027 (an optional hook)
         """Called once with the loaded target model; retrieval proposers need nothing from it."""
 
@@ -104,32 +121,59 @@ class DraftProposer(abc.ABC):
         **_: object,
     ) -> list[list[int]]:
         """vLLM's entry point: one list of draft token ids per input-batch row."""
+        start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         batch = self._rows_needing_drafts(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        budget = self.session.budget if self.session is not None else None
+        req_ids: list[str] = []
+        if budget is not None:
+            req_ids = self.session.step_req_ids
+            budget.observe(req_ids, sampled_token_ids)
+            batch = batch.subset(budget.worth_searching([req_ids[row] for row in batch.rows.tolist()]))
         self.stats.steps += 1
         self.stats.rows += len(batch)
-        if len(batch) == 0:
-            return drafts
-        try:
-            found = self.draft(batch)
-        except Exception as error:  # a drafting bug must never take the server down
-            self._record_failure(error)
+        found = self._draft_safely(batch) if len(batch) else None
+        if found is None:
+            if budget is not None:
+                budget.nothing_drafted()
             return drafts
         trees = batch.trees and found.tree_tokens is not None  # some drafters only draft chains
-        tokens, sizes = (found.tree_tokens, found.tree_size) if trees else (found.chain_tokens, found.chain_size)
-        sizes = np.minimum(sizes, batch.budgets)
+        if budget is None:
+            tokens, parents, sizes = self._fixed_budget(found, batch, trees)
+        else:
+            rows = batch.rows.tolist()
+            nodes = found.nodes(trees)
+            keep = budget.choose([req_ids[row] for row in rows], nodes, batch.budgets, len(sampled_token_ids),
+                                 time.perf_counter() - start, trees=trees)
+            tokens, parents, sizes = _kept(nodes, keep)
         rows, sizes_list = batch.rows.tolist(), sizes.tolist()
         for row, row_tokens, size in zip(rows, tokens.tolist(), sizes_list):
             drafts[row] = row_tokens[:size]
         self.stats.drafted_rows += int(np.count_nonzero(sizes))
         self.stats.draft_tokens += int(sizes.sum())
         if trees:
-            self._publish_trees(drafts, rows, found.tree_parents.tolist(), sizes_list)
+            self._publish_trees(drafts, rows, parents.tolist(), sizes_list)
         return drafts
+
+    def _draft_safely(self, batch: DraftBatch) -> Drafts | None:
+        """The subclass's drafts, or None (logged once, counted) when it fails."""
+        try:
+            return self.draft(batch)
+        except Exception as error:  # a drafting bug must never take the server down
+            self._record_failure(error)
+            return None
+
+    @staticmethod
+    def _fixed_budget(found: Drafts, batch: DraftBatch,
+                      trees: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """``budget: fixed``: every row's drafts cut to its token budget."""
+        if trees:
+            return found.tree_tokens, found.tree_parents, np.minimum(found.tree_size, batch.budgets)
+        return found.chain_tokens, None, np.minimum(found.chain_size, batch.budgets)
 
     def _publish_trees(self, drafts: list[list[int]], rows: list[int], parents: list[list[int]],
                        sizes: list[int]) -> None:
-        """Hand this step's trees (tokens already cut to each row's budget) to the session."""
+        """Hand this step's trees (tokens already cut to each row's size) to the session."""
         self.session.publish({
             row: DraftTree(tuple(drafts[row]), tuple(row_parents[:size]))
             for row, row_parents, size in zip(rows, parents, sizes) if size
@@ -157,3 +201,13 @@ class DraftProposer(abc.ABC):
                 "exact); see stats.failures for the count",
                 type(self).__name__,
             )
+
+
+def _kept(nodes: DraftNodes, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kept nodes of every row moved to its front (order kept, so parents still come
+    first) with parent indices renumbered: tokens, parents, sizes."""
+    order = np.argsort(~keep, axis=1, kind="stable")
+    position = np.cumsum(keep, axis=1) - 1
+    parents = np.take_along_axis(np.asarray(nodes.parents), order, axis=1)
+    renumbered = np.where(parents >= 0, np.take_along_axis(position, np.maximum(parents, 0), axis=1), -1)
+    return np.take_along_axis(nodes.tokens, order, axis=1), renumbered, keep.sum(axis=1)

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
 
 class RestProposer(DraftProposer):
-    """Drafts the heaviest chain of a trie merging datastore and in-context continuations of
-    the longest matching suffix (REST, extended with the context source). With the ``tree``
+    """Drafts the heaviest chain of a trie merging datastore, output-index (recently finished
+    requests of this engine) and in-context continuations of the longest matching suffix
+    (REST, extended with the context and output sources). With the ``tree``
     option it drafts the heaviest subtree instead (at most ``top_k`` and
     ``num_speculative_tokens`` nodes) for tree verification."""
 
@@ -33,9 +34,14 @@ class RestProposer(DraftProposer):
             self.params = RestParams.from_options(options, chain_len=budget, top_k=min(options.top_k, budget))
         self.last_drafts: RestDrafts | None = None
 
+    def uses_output_index(self) -> bool:
+        return self.options.use_output_index
+
     def draft(self, batch: DraftBatch) -> RestDrafts:
+        output_index = self.session.output_index if self.session is not None else None
         self.last_drafts = rest_retrieve(
             self.datastore, batch.token_ids, batch.num_tokens, batch.rows, self.params,
+            output_index=None if output_index is None else output_index.native,
             num_threads=self.options.num_threads,
         )
         return self.last_drafts

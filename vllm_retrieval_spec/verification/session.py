@@ -4,8 +4,13 @@ The session is created with the runner (``integration/vllm_patches.py``), handed
 drafter, and owns everything that lives between drafting and verification:
 
 - the request ids of the rows being drafted for (from the runner, before each ``propose``);
-- per-request state (:class:`RequestState`), released when the scheduler reports the
-  request finished or aborted;
+- per-request state (:class:`RequestState`, and the goodput budget's per-request factors),
+  released when the scheduler reports the request finished or aborted;
+- the cross-request :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex` (REST
+  with ``use_output_index``), fed with the tokens of every finished request;
+- with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
+  model learns from the time between consecutive drafting calls (drafting itself excluded)
+  and the tokens the step in between scheduled;
 - in tree mode, one target step's verification (:class:`TreeStep` below): the step plan
   (depth positions, flat indices, KV slots), the tree-attention fix-up, the plan the tree
   sampler walks and the KV compaction of the accepted paths;
@@ -15,6 +20,7 @@ drafter, and owns everything that lives between drafting and verification:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm_retrieval_spec.datastores.output_index import OutputIndex
+from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.verification import tree_attention as ops
 from vllm_retrieval_spec.verification.tree_attention import KVLayout
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
@@ -40,6 +48,7 @@ class TreeVerificationStats:
 
     tree_steps: int = 0  # target steps that verified at least one branching tree
     tree_requests: int = 0  # request-steps verified as trees
+    branching_requests: int = 0  # of which the tree branched (the tree-attention fix-up ran)
     compacted_slots: int = 0  # K/V slots moved after acceptance
 
 
@@ -57,22 +66,40 @@ class SpecSession:
 
     tree_mode: bool
     head_size: int = 0
+    budget: GoodputBudget | None = None
+    output_index: OutputIndex | None = None
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
     step_req_ids: list[str] = field(default_factory=list)
     step: int = 0
     plan: TreeStepPlan | None = None
     layout_checked: bool = False
+    _step_started: float | None = field(default=None, init=False, repr=False)
+    _draft_seconds: float = field(default=0.0, init=False, repr=False)
+    _branching_seen: int = field(default=0, init=False, repr=False)
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
     _tree_rows: ops.TreeRows | None = field(default=None, init=False, repr=False)
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ drafting side
 
-    def begin_step(self, req_ids: Sequence[str]) -> None:
-        """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows."""
+    def begin_step(self, req_ids: Sequence[str], num_scheduled_tokens: int = 0) -> None:
+        """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows and
+        the target step just run scheduled ``num_scheduled_tokens`` tokens."""
+        now = time.perf_counter()
+        branching = self.stats.branching_requests - self._branching_seen
+        self._branching_seen = self.stats.branching_requests
+        if self.budget is not None and self._step_started is not None:
+            self.budget.cost.observe(now - self._step_started - self._draft_seconds, len(req_ids),
+                                     num_scheduled_tokens, branching)
+        self._step_started = now
         self.step += 1
         self.step_req_ids = list(req_ids)
+
+    def end_step(self) -> None:
+        """``propose`` returned: its time is drafting, not the target's."""
+        if self._step_started is not None:
+            self._draft_seconds = time.perf_counter() - self._step_started
 
     def publish(self, trees: Mapping[int, DraftTree]) -> None:
         """This step's trees by input-batch row (tree mode); older ones are never verified."""
@@ -80,10 +107,17 @@ class SpecSession:
             state = self.requests.setdefault(self.step_req_ids[row], RequestState())
             state.tree, state.tree_step = tree, self.step
 
-    def release(self, req_ids: Iterable[str]) -> None:
-        """Forget finished or aborted requests."""
+    def release(self, req_ids: Iterable[str], tokens: Iterable[np.ndarray] = ()) -> None:
+        """Forget finished or aborted requests; their ``tokens`` (prompt and output, one array
+        per request still in the input batch) go to the output index."""
+        if self.output_index is not None:
+            for sequence in tokens:
+                self.output_index.add(sequence)
+        req_ids = list(req_ids)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+        if self.budget is not None:
+            self.budget.release(req_ids)
 
     def tree_for(self, req_id: str, scheduled_tokens: Sequence[int]) -> DraftTree:
         """The tree behind the tokens the scheduler sent back (it may keep only a prefix);
@@ -117,6 +151,7 @@ class SpecSession:
         self._context_lens = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + 1
         self.stats.tree_steps += 1
         self.stats.tree_requests += int((plan.sizes > 0).sum())
+        self.stats.branching_requests += int(plan.branching.sum())
         self.plan = plan
 
     def attend(self, impl: object, layer: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

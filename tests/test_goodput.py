@@ -1,0 +1,193 @@
+"""The goodput budget without an engine: chooser on synthetic cost curves, calibration,
+cost model, acceptance read back from sampled tokens, per-request state lifecycle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, DraftNodes
+from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, StepCostModel, choose_nodes
+from vllm_retrieval_spec.goodput.budget import RequestFactors
+from vllm_retrieval_spec.goodput.calibration import node_depths, path_products
+from vllm_retrieval_spec.goodput.chooser import main_paths
+from vllm_retrieval_spec.proposers.base import _kept
+
+CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
+
+
+def cost_model(base: float, per_request: float, per_token: float, steps: int = 200) -> StepCostModel:
+    """A model that has learned an exact linear curve from varied steps."""
+    model = StepCostModel(prior=(base, per_request, per_token, 0.0))
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        reqs, extra = int(rng.integers(1, 33)), int(rng.integers(0, 129))
+        model.observe(base + per_request * reqs + per_token * extra, reqs, reqs + extra)
+    return model
+
+
+def chain_chances(conditional: float, rows: int = 4, width: int = 8) -> np.ndarray:
+    return path_products(np.full((rows, width), conditional), CHAIN[:rows, :width])
+
+
+def assert_closed_under_parents(keep: np.ndarray, parents: np.ndarray) -> None:
+    rows, columns = np.nonzero(keep)
+    parent = parents[rows, columns]
+    assert keep[rows[parent >= 0], parent[parent >= 0]].all()
+
+
+def test_worthless_drafts_are_not_drafted():
+    cost = cost_model(0.05, 0.002, 0.0015)
+    choice = choose_nodes(chain_chances(0.01), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
+    assert not choice.keep.any()
+
+
+def test_expensive_verification_drafts_nothing_even_for_likely_nodes():
+    cost = cost_model(0.01, 0.001, 0.05)  # a verified token costs five base steps
+    choice = choose_nodes(chain_chances(0.9), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
+    assert not choice.keep.any()
+
+
+def test_free_verification_fills_every_row_budget():
+    cost = cost_model(0.02, 0.001, 0.0)
+    budgets = np.array([8, 3, 0, 5])
+    choice = choose_nodes(chain_chances(0.3), budgets, 4, cost, draft_seconds=0.0, margin=0.05)
+    np.testing.assert_array_equal(choice.keep.sum(axis=1), budgets)
+    assert_closed_under_parents(choice.keep, CHAIN)
+
+
+def test_cost_of_drafting_counts():
+    cost = cost_model(0.02, 0.001, 0.0)
+    cheap = choose_nodes(chain_chances(0.2), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
+    slow = choose_nodes(chain_chances(0.2), np.full(4, 8), 4, cost, draft_seconds=1.0, margin=0.05)
+    assert cheap.keep.any() and not slow.keep.any()
+
+
+def test_the_chooser_keeps_the_most_likely_nodes_across_rows_and_whole_paths():
+    rng = np.random.default_rng(1)
+    parents = np.array([[-1, -1, 0, 0, 1, 2, 2, 5]] * 6, np.int32)
+    chance = path_products(rng.uniform(0.05, 0.95, parents.shape), parents)
+    cost = cost_model(0.05, 0.002, 0.0015)
+    choice = choose_nodes(chance, np.full(6, 8), 6, cost, draft_seconds=0.0, margin=0.0)
+    assert 0 < choice.keep.sum() < choice.keep.size
+    assert_closed_under_parents(choice.keep, parents)
+    assert chance[choice.keep].min() >= chance[~choice.keep].max()
+    # Each kept node's chance pays for its marginal cost at the chosen rate.
+    assert chance[choice.keep].min() >= choice.threshold * 0.999
+
+
+def test_depths_and_path_products_of_a_tree():
+    parents = np.array([[-1, -1, 0, 2, 1]], np.int32)
+    np.testing.assert_array_equal(node_depths(parents), [[0, 0, 1, 2, 1]])
+    chance = np.array([[0.5, 0.4, 0.5, 0.5, 0.25]])
+    np.testing.assert_allclose(path_products(chance, parents), [[0.5, 0.4, 0.25, 0.125, 0.1]])
+
+
+def test_cost_model_learns_a_linear_curve_and_ignores_idle_gaps():
+    model = cost_model(0.05, 0.002, 0.0015)
+    np.testing.assert_allclose(model.coefficients[:3], [0.05, 0.002, 0.0015], rtol=0.02, atol=2e-4)
+    assert not model.observe(10.0, 8, 8)  # the engine sat idle
+    np.testing.assert_allclose(model.coefficients[:3], [0.05, 0.002, 0.0015], rtol=0.02, atol=2e-4)
+
+
+def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0))
+    for _ in range(100):
+        model.observe(0.08, 8, 8)  # never any drafts: the per-token cost is not observable
+    assert model.coefficients[2] == pytest.approx(0.0015, rel=0.05)
+    assert float(model.predict(8, 8)) == pytest.approx(0.08, rel=0.05)
+
+
+def nodes_of(prob: np.ndarray, parents: np.ndarray, source: int, match_len: int) -> DraftNodes:
+    rows, width = prob.shape
+    return DraftNodes(np.zeros((rows, width), np.int32), parents, np.full(rows, width, np.int32),
+                      prob.astype(np.float32), np.full((rows, width), source, np.int8),
+                      np.full((rows, width), match_len, np.int32))
+
+
+@pytest.mark.parametrize("true_rate", [0.1, 0.45, 0.8])
+def test_calibration_converges_to_the_observed_rate(true_rate):
+    rng = np.random.default_rng(2)
+    calibration = AcceptanceCalibration()
+    nodes = nodes_of(np.full((64, 1), 0.95), np.full((64, 1), -1, np.int32), SOURCE_DATASTORE, 4)
+    bucket = calibration.buckets(nodes, np.zeros((64, 1), np.int32)).reshape(-1)
+    for _ in range(50):
+        predicted = calibration.estimate(bucket, nodes.prob.reshape(-1))
+        calibration.observe(bucket, predicted, rng.random(64) < true_rate)
+    assert calibration.estimate(bucket[:1], nodes.prob[0])[0] == pytest.approx(true_rate, abs=0.05)
+    (row,) = calibration.report(min_observations=200)
+    assert row["observations"] == 64 * 50 and row["observed"] == pytest.approx(true_rate, abs=0.03)
+
+
+def test_calibration_keeps_sources_and_depths_apart():
+    calibration = AcceptanceCalibration()
+    parents = np.array([[-1, 0]], np.int32)
+    context = nodes_of(np.ones((1, 2)), parents, SOURCE_CONTEXT, 8)
+    datastore = nodes_of(np.ones((1, 2)), parents, SOURCE_DATASTORE, 8)
+    depth = node_depths(parents)
+    for _ in range(100):
+        calibration.observe(calibration.buckets(context, depth).reshape(-1), np.ones(2), np.array([True, False]))
+        calibration.observe(calibration.buckets(datastore, depth).reshape(-1), np.ones(2), np.array([False, True]))
+    assert calibration.estimate(calibration.buckets(context, depth), context.prob)[0].tolist() == pytest.approx(
+        [0.99, 0.0], abs=0.03)
+    assert calibration.estimate(calibration.buckets(datastore, depth), datastore.prob)[0].tolist() == pytest.approx(
+        [0.0, 0.99], abs=0.03)
+
+
+def test_acceptance_is_read_back_from_the_sampled_tokens():
+    """A chain and a tree: accepted nodes are the path the sampled tokens follow."""
+    budget = GoodputBudget(margin=0.0, cost=cost_model(0.02, 0.001, 0.0))
+    parents = np.array([[-1, 0, 1, 2], [-1, -1, 1, 0]], np.int32)
+    tokens = np.array([[5, 6, 7, 8], [5, 9, 3, 4]], np.int32)
+    nodes = DraftNodes(tokens, parents, np.array([4, 4], np.int32), np.ones((2, 4), np.float32),
+                       np.full((2, 4), SOURCE_CONTEXT, np.int8), np.full((2, 4), 4, np.int32))
+    keep = budget.choose(["a", "b"], nodes, np.array([4, 4]), 2, 0.0)
+    assert keep.all()
+    # Rows come back reordered; "a" accepted 5 6 then the target said 1; "b" took 9 3 then 2.
+    budget.observe(["b", "a"], [[9, 3, 2], [5, 6, 1]])
+    assert budget.stats.accepted_nodes == 4
+    # a: 5, 6 accepted, 7 rejected (8 unobserved); b: 5 rejected, 9 and 3 accepted, 4 unobserved.
+    assert budget.stats.observed_nodes == 3 + 3
+
+
+def test_kept_nodes_move_to_the_front_with_parents_renumbered():
+    parents = np.array([[-1, -1, 0, 1, 2]], np.int32)
+    nodes = DraftNodes(np.array([[10, 11, 12, 13, 14]], np.int32), parents, np.array([5], np.int32),
+                       np.ones((1, 5), np.float32), np.zeros((1, 5), np.int8), np.zeros((1, 5), np.int32))
+    tokens, new_parents, sizes = _kept(nodes, np.array([[False, True, False, True, False]]))
+    assert sizes.tolist() == [2]
+    assert tokens[0, :2].tolist() == [11, 13] and new_parents[0, :2].tolist() == [-1, 0]
+
+
+def test_request_state_is_released_and_memory_stays_bounded():
+    factors = RequestFactors(capacity=4)
+    for start in range(0, 10_000, 8):
+        ids = [f"req-{i}" for i in range(start, start + 8)]
+        slots = factors.slots_of(ids)
+        factors.record(slots, np.ones(8), np.ones(8))
+        factors.release(ids)
+    assert factors.slots == {}
+    assert len(factors.predicted) <= 16
+
+
+def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
+    """Two rows whose trees fork at the root: branches pay only where tree steps are cheap."""
+    parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
+    chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
+    main = main_paths(parents, np.full(2, 4))
+    assert main.tolist() == [[True, False, True, False]] * 2
+    model = cost_model(0.02, 0.001, 0.0001)
+    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0), prior_steps=1e9)
+    dear = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05), prior_steps=1e9)
+    assert model.per_branching_tree == pytest.approx(0.0, abs=1e-4)
+    assert choose_nodes(chance, np.full(2, 4), 2, cheap, 0.0, 0.05, main).keep.all()
+    np.testing.assert_array_equal(choose_nodes(chance, np.full(2, 4), 2, dear, 0.0, 0.05, main).keep, main)
+
+
+def test_cost_model_learns_the_price_of_branching_trees():
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0))
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        reqs, extra, branching = int(rng.integers(1, 9)), int(rng.integers(0, 40)), int(rng.integers(0, 4))
+        model.observe(0.04 + 0.002 * reqs + 0.0015 * extra + 0.03 * branching, reqs, reqs + extra, branching)
+    assert model.per_branching_tree == pytest.approx(0.03, rel=0.15)  # the ridge pulls towards the prior

@@ -1,0 +1,210 @@
+"""One runner's goodput budget: closes the loop between drafting and verification.
+
+Each step, in the proposers' base (through the session):
+
+1. :meth:`GoodputBudget.observe` reads, from the tokens each request just sampled, which of
+   the nodes drafted for it last step were accepted (a node is accepted when its parent is
+   and its token is the one sampled at its depth), and feeds calibration and the request's
+   own factor;
+2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
+   at the last step's marginal value (their search is skipped);
+3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
+   keeps the best for the whole batch (:func:`choose_nodes`) and remembers them for step 1.
+
+The session feeds the cost model with each step's duration and scheduled tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_retrieval_spec.drafts import DraftNodes
+from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration, node_depths, path_products
+from vllm_retrieval_spec.goodput.chooser import Choice, choose_nodes, main_paths
+from vllm_retrieval_spec.goodput.cost_model import StepCostModel
+
+REQUEST_PRIOR = 2.0  # pseudo-nodes behind each request's factor
+REQUEST_DECAY = 0.9  # per step: a request's factor forgets, and drifts back to 1 when unobserved
+FACTOR_RANGE = (0.25, 4.0)
+
+
+@dataclass
+class BudgetStats:
+    """Counters of one runner's budget (for tests, benchmarks and operators)."""
+
+    steps: int = 0
+    drafted_steps: int = 0  # steps that kept at least one node
+    candidate_nodes: int = 0
+    chosen_nodes: int = 0
+    skipped_rows: int = 0  # rows whose search was skipped
+    observed_nodes: int = 0
+    accepted_nodes: int = 0
+
+
+class RequestFactors:
+    """Per running request, decayed sums of predicted and accepted nodes, in arrays indexed by
+    a slot that is freed when the request finishes."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.slots: dict[str, int] = {}
+        self.free: list[int] = []
+        self.predicted = np.zeros(capacity)
+        self.accepted = np.zeros(capacity)
+
+    def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Each request's slot (new requests get one)."""
+        found = np.fromiter(map(self.slots.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids))
+        for index in np.flatnonzero(found < 0):
+            found[index] = self._allocate(req_ids[index])
+        return found
+
+    def factor(self, slots: np.ndarray) -> np.ndarray:
+        ratio = (self.accepted[slots] + REQUEST_PRIOR) / (self.predicted[slots] + REQUEST_PRIOR)
+        return np.clip(ratio, *FACTOR_RANGE)
+
+    def record(self, slots: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
+        self.predicted *= REQUEST_DECAY
+        self.accepted *= REQUEST_DECAY
+        np.add.at(self.predicted, slots, predicted)
+        np.add.at(self.accepted, slots, accepted)
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            slot = self.slots.pop(req_id, None)
+            if slot is not None:
+                self.predicted[slot] = self.accepted[slot] = 0.0
+                self.free.append(slot)
+
+    def _allocate(self, req_id: str) -> int:
+        if not self.free:
+            old = len(self.predicted)
+            self.predicted = np.concatenate([self.predicted, np.zeros(old)])
+            self.accepted = np.concatenate([self.accepted, np.zeros(old)])
+            self.free.extend(range(2 * old - 1, old - 1, -1))
+        slot = self.free.pop()
+        self.slots[req_id] = slot
+        return slot
+
+
+@dataclass
+class PendingNodes:
+    """The nodes drafted at one step, waiting for the next step's sampled tokens."""
+
+    req_ids: list[str]
+    tokens: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    bucket: np.ndarray
+    chance: np.ndarray
+    keep: np.ndarray
+
+
+@dataclass
+class GoodputBudget:
+    """Calibration, cost model, per-request factors and the chooser of one runner."""
+
+    margin: float = 0.05
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    factors: RequestFactors = field(default_factory=RequestFactors)
+    stats: BudgetStats = field(default_factory=BudgetStats)
+    threshold: float = 0.0
+    last_choice: Choice | None = None
+    _pending: PendingNodes | None = None
+
+    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        row_of = dict(zip(req_ids, range(len(req_ids))))
+        rows = np.fromiter(map(row_of.get, pending.req_ids, itertools.repeat(-1)), np.int64, len(pending.req_ids))
+        present = rows >= 0
+        if not present.any():
+            return
+        sampled = _padded([sampled_token_ids[row] for row in rows[present]], pending.tokens.shape[1] + 1)
+        accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
+                                       pending.keep[present], sampled)
+        chance, bucket = pending.chance[present], pending.bucket[present]
+        self.calibration.observe(bucket[observed], chance[observed], accepted[observed])
+        slots = self.factors.slots_of([pending.req_ids[i] for i in np.flatnonzero(present)])
+        self.factors.record(slots, np.where(observed, chance, 0.0).sum(axis=1), accepted.sum(axis=1))
+        self.stats.observed_nodes += int(observed.sum())
+        self.stats.accepted_nodes += int(accepted.sum())
+
+    def worth_searching(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Rows whose best possible first node could pay at the last step's marginal value."""
+        if self.threshold <= 0 or not len(req_ids):
+            return np.ones(len(req_ids), bool)
+        bound = np.minimum(self.calibration.best_first_chance() * self.factors.factor(self.factors.slots_of(req_ids)),
+                           MAX_CHANCE)
+        worth = bound >= self.threshold
+        self.stats.skipped_rows += int((~worth).sum())
+        return worth
+
+    def choose(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
+               draft_seconds: float, trees: bool = False) -> np.ndarray:
+        """The candidate nodes to verify (``[rows, N]`` mask, closed under parents); ``trees``:
+        the nodes form trees that may branch."""
+        width = nodes.width
+        valid = np.arange(width)[None, :] < nodes.size[:, None]
+        depth = node_depths(nodes.parents)
+        bucket = self.calibration.buckets(nodes, depth)
+        factor = self.factors.factor(self.factors.slots_of(req_ids))
+        chance = np.minimum(self.calibration.estimate(bucket, nodes.prob) * factor[:, None], MAX_CHANCE)
+        chance = np.where(valid, chance, 0.0)
+        main_path = main_paths(nodes.parents, nodes.size) if trees else None
+        choice = choose_nodes(path_products(chance, nodes.parents), budgets, num_reqs, self.cost,
+                              draft_seconds, self.margin, main_path)
+        self.last_choice, self.threshold = choice, choice.threshold
+        self.stats.steps += 1
+        self.stats.candidate_nodes += int(valid.sum())
+        kept = int(choice.keep.sum())
+        self.stats.chosen_nodes += kept
+        self.stats.drafted_steps += kept > 0
+        if kept:
+            self._pending = PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance,
+                                         choice.keep)
+        return choice.keep
+
+    def nothing_drafted(self) -> None:
+        """A step without candidates: nothing to observe next step."""
+        self._pending = None
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        self.factors.release(req_ids)
+
+
+def _padded(lists: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """Token lists as a ``[len(lists), width]`` matrix padded (and cut) with -1."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))
+    rows = np.repeat(np.arange(len(lists)), lengths)
+    columns = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out = np.full((len(lists), width), -1, np.int64)
+    inside = columns < width
+    out[rows[inside], columns[inside]] = flat[inside]
+    return out
+
+
+def _outcomes(tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, keep: np.ndarray,
+              sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per verified node: accepted (its parent was and the target sampled its token at its
+    depth) and observed (its parent was accepted and the step sampled past its depth)."""
+    rows = np.arange(tokens.shape[0])
+    emitted = (sampled >= 0).sum(axis=1)
+    accepted = np.zeros(tokens.shape, bool)
+    observed = np.zeros(tokens.shape, bool)
+    for column in range(tokens.shape[1]):
+        parent = parents[:, column]
+        parent_ok = np.where(parent >= 0, accepted[rows, np.maximum(parent, 0)], True)
+        d = depth[:, column]
+        seen = keep[:, column] & parent_ok & (d < emitted)
+        matched = tokens[:, column] == sampled[rows, d]
+        observed[:, column] = seen & ~(matched & (d == emitted - 1))  # cut by the scheduler: unknown
+        accepted[:, column] = observed[:, column] & matched
+    return accepted, observed
