@@ -2,11 +2,17 @@
 
 For every config, over the same HumanEval prompts in the same run: vLLM's mean acceptance
 length (1 + accepted / drafts), the honest figure ((generated - requests) / decode steps,
-counting steps without drafts), the acceptance rate, output tokens/s, the speed-up against
-no speculation, and how many prompts' token ids differ from no speculation (must be 0).
+counting steps without drafts), the acceptance rate, draft tokens per request-step, output
+tokens/s, the speed-up against no speculation (run first and again last; the mean of both, so
+that the machine's drift shows) and against vLLM ``suffix``, how many prompts' token ids differ
+from no speculation (must be 0) and, for ``budget: auto``, the budget's counters, calibration
+buckets and learned step-cost curve (plot them with ``plot_budget.py``).
 
     python benchmarks/acceptance.py --prompts 40 --max-tokens 128 --form raw
     python benchmarks/acceptance.py --configs none prompt_lookup_k8 ngram_k8 --form both
+    python benchmarks/acceptance.py --prompts 164 --max-tokens 64 --concurrency 8 --form both --tag budget
+        --configs none suffix rest_k8 rest_k8_fixed rest_tree_k16 prompt_lookup_k8 ngrammys_k8 ngrammys_tree_k16
+        (one command line)
 
 Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_<tag>].json.
 """
@@ -54,6 +60,7 @@ def _ngram(k: int) -> dict:
 
 CONFIGS: dict[str, dict] = {
     "none": {},
+    "none_again": {},  # no speculation once more, last: how much the machine drifted during the run
     # Our proposers run with budget "auto" (the default); *_fixed always drafts up to K.
     "prompt_lookup_k8": _ours("PromptLookupProposer", 8),
     "prompt_lookup_k8_fixed": _ours("PromptLookupProposer", 8, budget="fixed"),
@@ -140,10 +147,12 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
 
 
 def compare(results: list[dict], outputs: list[list[list[int]]]) -> None:
-    """Ratios to no speculation (the first config) and to vLLM suffix, and differing prompts."""
+    """Ratios to no speculation (the mean of its runs, first and, with --repeat-baseline, last)
+    and to vLLM suffix, and differing prompts."""
     suffix = next((r for r in results if r["config"] == "suffix"), None)
+    baseline = [r["tokens_per_second"] for r in results if r["config"] in ("none", "none_again")]
     for result, output in zip(results, outputs):
-        result["speedup_vs_none"] = result["tokens_per_second"] / results[0]["tokens_per_second"]
+        result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
         result["speedup_vs_suffix"] = result["tokens_per_second"] / suffix["tokens_per_second"] if suffix else None
         result["prompts_differing_from_none"] = sum(a != b for a, b in zip(outputs[0], output))
 
@@ -168,8 +177,9 @@ def print_table(report: dict) -> None:
               f"{r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} {r['prompts_differing_from_none']:7d}")
 
 
-def resolve_configs(requested: list[str]) -> list[str]:
-    names = ["none"] + [n for n in requested if n != "none"]
+def resolve_configs(requested: list[str], repeat_baseline: bool) -> list[str]:
+    names = ["none"] + [n for n in requested if n not in ("none", "none_again")]
+    names += ["none_again"] if repeat_baseline else []
     available = []
     for name in names:
         if name not in CONFIGS:
@@ -190,10 +200,12 @@ def main() -> None:
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help=f"from {', '.join(CONFIGS)}")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="run no speculation again at the end; speed-ups are against the mean of both runs")
     args = parser.parse_args()
 
     model = ensure_smollm2_checkpoint()
-    names = resolve_configs(args.configs)
+    names = resolve_configs(args.configs, args.repeat_baseline)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for form in (["raw", "chat"] if args.form == "both" else [args.form]):
         report = benchmark_form(model, form, names, args)

@@ -24,10 +24,13 @@ def bucket_label(row: dict) -> str:
     return f"{source} len{row['match_length_bucket']} d{row['depth']} p{row['raw_prob_bucket']}"
 
 
-def print_calibration(config: str, rows: list[dict], min_observations: int) -> float:
-    """The buckets with enough observations and their gaps; returns the largest gap."""
+def print_calibration(config: str, rows: list[dict], min_observations: int) -> float | None:
+    """The buckets with enough observations and their gaps; returns the largest gap (None
+    without such buckets)."""
     big = sorted((r for r in rows if r["observations"] >= min_observations), key=lambda r: -r["observations"])
     print(f"\n{config}: {len(big)} buckets with >= {min_observations} observations")
+    if not big:
+        return None
     worst = 0.0
     for row in big:
         gap = row["predicted"] - row["observed"]
@@ -62,7 +65,9 @@ def main() -> None:
         top.scatter([r["predicted"] for r in rows], [r["observed"] for r in rows],
                     s=[max(4.0, r["observations"] / 20) for r in rows], alpha=0.5)
         top.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance", ylabel="observed acceptance",
-                title=f"{result['config']}\nmax gap {worst:.3f} (buckets >= {args.min_observations} obs)")
+                title=f"{result['config']}\n" + (f"max gap {worst:.3f} (buckets >= {args.min_observations} obs)"
+                                                  if worst is not None else
+                                                  f"no bucket with >= {args.min_observations} obs"))
         curve = budget["cost_curve"]
         bottom = axes[1][column]
         bottom.plot([p["extra_tokens"] for p in curve], [1000 * p["seconds"] for p in curve])

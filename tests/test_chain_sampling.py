@@ -33,9 +33,14 @@ TEMPERATURE = 1.0
 P_FLOOR = 1e-4
 K = 4
 
+# Our proposers draft at every step here (budget "fixed"): this tests verification, and at
+# temperature 1.0 the goodput budget would rightly stop drafting on these prompts. REST without
+# its output index: drafts from earlier requests would make seeded requests unrepeatable.
+FIXED = {"budget": "fixed"}
 CHAIN_CONFIGS = {
-    "prompt-lookup": ({"model": "vllm_retrieval_spec.PromptLookupProposer"}, None),
-    "rest": ({"model": "vllm_retrieval_spec.RestProposer"}, {"use_datastore": False}),
+    "prompt-lookup": ({"model": "vllm_retrieval_spec.PromptLookupProposer"}, FIXED),
+    "rest": ({"model": "vllm_retrieval_spec.RestProposer"},
+             {"use_datastore": False, "use_output_index": False, **FIXED}),
     "ngrammys": ({"model": "vllm_retrieval_spec.NGrammysProposer"}, "ngram_table"),
     "vllm-ngram": ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}, None),
     "vllm-suffix": ({"method": "suffix"}, None),
@@ -98,7 +103,7 @@ def test_chain_speculation_samples_like_the_model(name, request, model_dir, refe
         pytest.skip("vLLM's suffix method needs arctic-inference (scripts/install-comparators.sh)")
     speculative, options = CHAIN_CONFIGS[name]
     if options == "ngram_table":
-        options = {"ngram_table": str(request.getfixturevalue("ngram_table_dir"))}
+        options = {"ngram_table": str(request.getfixturevalue("ngram_table_dir")), **FIXED}
     spec = EngineSpec(model_dir, speculative_config={**speculative, "num_speculative_tokens": K},
                       additional_config={"retrieval_spec": options} if options else None, max_num_seqs=32)
     with running_engine(spec) as llm:

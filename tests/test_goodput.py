@@ -11,7 +11,6 @@ from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, St
 from vllm_retrieval_spec.goodput.budget import RequestFactors
 from vllm_retrieval_spec.goodput.calibration import node_depths, path_products
 from vllm_retrieval_spec.goodput.chooser import main_paths
-from vllm_retrieval_spec.proposers.base import _kept
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
@@ -154,7 +153,7 @@ def test_kept_nodes_move_to_the_front_with_parents_renumbered():
     parents = np.array([[-1, -1, 0, 1, 2]], np.int32)
     nodes = DraftNodes(np.array([[10, 11, 12, 13, 14]], np.int32), parents, np.array([5], np.int32),
                        np.ones((1, 5), np.float32), np.zeros((1, 5), np.int8), np.zeros((1, 5), np.int32))
-    tokens, new_parents, sizes = _kept(nodes, np.array([[False, True, False, True, False]]))
+    tokens, new_parents, sizes = nodes.kept(np.array([[False, True, False, True, False]]))
     assert sizes.tolist() == [2]
     assert tokens[0, :2].tolist() == [11, 13] and new_parents[0, :2].tolist() == [-1, 0]
 
@@ -191,3 +190,45 @@ def test_cost_model_learns_the_price_of_branching_trees():
         reqs, extra, branching = int(rng.integers(1, 9)), int(rng.integers(0, 40)), int(rng.integers(0, 4))
         model.observe(0.04 + 0.002 * reqs + 0.0015 * extra + 0.03 * branching, reqs, reqs + extra, branching)
     assert model.per_branching_tree == pytest.approx(0.03, rel=0.15)  # the ridge pulls towards the prior
+
+
+def test_a_bucket_no_longer_drafted_drifts_back_to_its_prior():
+    calibration = AcceptanceCalibration(decay_every=10)
+    nodes = nodes_of(np.ones((1, 1)), np.full((1, 1), -1, np.int32), SOURCE_CONTEXT, 4)
+    bucket = calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
+    for _ in range(200):
+        calibration.observe(bucket, np.ones(1), np.zeros(1, bool))
+    assert calibration.estimate(bucket, np.ones(1))[0] < 0.02
+    for _ in range(100):  # nothing drafted for 100 steps: ten halvings
+        calibration.tick()
+    assert calibration.estimate(bucket, np.ones(1))[0] > 0.3
+
+
+def test_searches_are_skipped_only_while_no_node_could_pay():
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0), prior_steps=1e9))
+    # A verified token costs as much as a step's worth of tokens: no first node can pay.
+    assert not budget.worth_searching(["a", "b"], 2).any()
+    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0), prior_steps=1e9)
+    assert budget.worth_searching(["a", "b"], 2).all()
+    assert budget.stats.skipped_rows == 2
+
+
+def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0), prior_steps=1e9),
+                           calibration=AcceptanceCalibration(decay_every=50))
+    nodes = nodes_of(np.ones((1, 1)), np.full((1, 1), -1, np.int32), SOURCE_CONTEXT, 1)
+    bucket = budget.calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
+    assert budget.worth_searching(["a"], 8).all()  # nothing known yet: the prior guess (0.5) may pay
+    for _ in range(40):
+        budget.calibration.observe(bucket, np.ones(1), np.zeros(1, bool))
+    assert not budget.worth_searching(["a"], 8).any()
+    for _ in range(400):
+        budget.calibration.tick()
+    assert budget.worth_searching(["a"], 8).all()
+
+
+def test_a_slow_search_must_pay_for_itself():
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0), prior_steps=1e9))
+    assert budget.worth_searching(["a"], 1).all()  # 0.5 prior chance vs a cheap token
+    budget.search_seconds_per_row = 0.05  # a search takes as long as a step
+    assert not budget.worth_searching(["a"], 1).any()

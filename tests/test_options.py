@@ -71,3 +71,13 @@ def test_ngrammys_options_are_read():
     )
     assert (options.ngrammys_drafts, options.ngrammys_draft_len, options.ngrammys_context_len) == (4, 6, 2)
     assert options.ngrammys_mixing == "bigram-only"
+
+
+def test_budget_options_are_read_and_checked():
+    assert RetrievalSpecOptions().budget == "auto" and RetrievalSpecOptions().use_output_index
+    options = RetrievalSpecOptions.from_dict({"budget": "fixed", "budget_margin": 0.1, "output_index_tokens": 4096})
+    assert (options.budget, options.budget_margin, options.output_index_tokens) == ("fixed", 0.1, 4096)
+    with pytest.raises(OptionsError, match=r"retrieval_spec\.budget must be one of 'auto', 'fixed', got 'sometimes'"):
+        RetrievalSpecOptions.from_dict({"budget": "sometimes"})
+    with pytest.raises(OptionsError, match=r"retrieval_spec\.output_index_tokens must be an integer in \[1024, "):
+        RetrievalSpecOptions.from_dict({"output_index_tokens": 10})

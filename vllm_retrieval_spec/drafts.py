@@ -40,6 +40,15 @@ class DraftNodes:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def kept(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The nodes where ``keep`` (closed under parents) moved to the front of each row, in
+        their order (parents still first), parents renumbered: tokens, parents, sizes."""
+        order = np.argsort(~keep, axis=1, kind="stable")
+        position = np.cumsum(keep, axis=1) - 1
+        parents = np.take_along_axis(np.asarray(self.parents), order, axis=1)
+        renumbered = np.where(parents >= 0, np.take_along_axis(position, np.maximum(parents, 0), axis=1), -1)
+        return np.take_along_axis(self.tokens, order, axis=1), renumbered, keep.sum(axis=1)
+
 
 @runtime_checkable
 class Drafts(Protocol):

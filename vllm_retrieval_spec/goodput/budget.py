@@ -7,7 +7,7 @@ Each step, in the proposers' base (through the session):
    and its token is the one sampled at its depth), and feeds calibration and the request's
    own factor;
 2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
-   at the last step's marginal value (their search is skipped);
+   for its verification (their search is skipped);
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
    keeps the best for the whole batch (:func:`choose_nodes`) and remembers them for step 1.
 
@@ -17,6 +17,7 @@ The session feeds the cost model with each step's duration and scheduled tokens.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,12 +25,16 @@ import numpy as np
 
 from vllm_retrieval_spec.drafts import DraftNodes
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration, node_depths, path_products
-from vllm_retrieval_spec.goodput.chooser import Choice, choose_nodes, main_paths
+from vllm_retrieval_spec.goodput.chooser import choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 2048
 REQUEST_PRIOR = 2.0  # pseudo-nodes behind each request's factor
 REQUEST_DECAY = 0.9  # per step: a request's factor forgets, and drifts back to 1 when unobserved
 FACTOR_RANGE = (0.25, 4.0)
+SEARCH_TIME_SMOOTHING = 0.1
 
 
 @dataclass
@@ -112,8 +117,7 @@ class GoodputBudget:
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     factors: RequestFactors = field(default_factory=RequestFactors)
     stats: BudgetStats = field(default_factory=BudgetStats)
-    threshold: float = 0.0
-    last_choice: Choice | None = None
+    search_seconds_per_row: float = 0.0  # drafting time per searched row (moving average)
     _pending: PendingNodes | None = None
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
@@ -136,13 +140,18 @@ class GoodputBudget:
         self.stats.observed_nodes += int(observed.sum())
         self.stats.accepted_nodes += int(accepted.sum())
 
-    def worth_searching(self, req_ids: Sequence[str]) -> np.ndarray:
-        """Rows whose best possible first node could pay at the last step's marginal value."""
-        if self.threshold <= 0 or not len(req_ids):
-            return np.ones(len(req_ids), bool)
-        bound = np.minimum(self.calibration.best_first_chance() * self.factors.factor(self.factors.slots_of(req_ids)),
-                           MAX_CHANCE)
-        worth = bound >= self.threshold
+    def worth_searching(self, req_ids: Sequence[str], num_reqs: int) -> np.ndarray:
+        """Rows whose best possible first node could pay: its optimistic chance (the best
+        root-child bucket times the request's factor) is at least what verifying it and
+        searching for it cost, in tokens, at the rate of a step of ``num_reqs`` requests
+        without drafts (fresh every step, so a step where every search is skipped cannot
+        freeze the decision)."""
+        if not len(req_ids):
+            return np.ones(0, bool)
+        rate = num_reqs / max(float(self.cost.predict(num_reqs, num_reqs)), 1e-9)
+        threshold = rate * (self.cost.per_token + self.search_seconds_per_row)
+        factor = self.factors.factor(self.factors.slots_of(req_ids))
+        worth = np.minimum(self.calibration.best_first_chance() * factor, MAX_CHANCE) >= threshold
         self.stats.skipped_rows += int((~worth).sum())
         return worth
 
@@ -157,19 +166,34 @@ class GoodputBudget:
         factor = self.factors.factor(self.factors.slots_of(req_ids))
         chance = np.minimum(self.calibration.estimate(bucket, nodes.prob) * factor[:, None], MAX_CHANCE)
         chance = np.where(valid, chance, 0.0)
+        per_row = draft_seconds / max(len(req_ids), 1)
+        self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
         main_path = main_paths(nodes.parents, nodes.size) if trees else None
         choice = choose_nodes(path_products(chance, nodes.parents), budgets, num_reqs, self.cost,
                               draft_seconds, self.margin, main_path)
-        self.last_choice, self.threshold = choice, choice.threshold
+        self.calibration.tick()
         self.stats.steps += 1
         self.stats.candidate_nodes += int(valid.sum())
         kept = int(choice.keep.sum())
         self.stats.chosen_nodes += kept
         self.stats.drafted_steps += kept > 0
+        if self.stats.steps % LOG_EVERY_STEPS == 0:
+            self.log_summary()
         if kept:
             self._pending = PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance,
                                          choice.keep)
         return choice.keep
+
+    def log_summary(self) -> None:
+        """The learned step cost and what the budget kept and saw accepted (logged periodically)."""
+        a, b, c, d = (1000 * x for x in self.cost.coefficients)
+        stats = self.stats
+        logger.info(
+            "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.1f ms/branching tree; "
+            "kept %d of %d candidate nodes over %d steps (%d drafted), %d of %d observed nodes accepted, "
+            "%d searches skipped", a, b, c, d, stats.chosen_nodes, stats.candidate_nodes, stats.steps,
+            stats.drafted_steps, stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows,
+        )
 
     def nothing_drafted(self) -> None:
         """A step without candidates: nothing to observe next step."""

@@ -4,7 +4,7 @@ A node's chance of being accepted given that its parent is comes from decaying,
 Laplace-smoothed counts keyed by (source, match-length bucket, depth, raw-probability
 bucket). Sparse buckets borrow from their (source, depth) total, which borrows from the
 drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
-halved every ``decay_every`` observed steps so that the estimates follow the traffic.
+halved every ``decay_every`` steps so that the estimates follow the traffic.
 """
 
 from __future__ import annotations
@@ -82,10 +82,15 @@ class AcceptanceCalibration:
         return np.clip(chance, MIN_CHANCE, MAX_CHANCE)
 
     def best_first_chance(self) -> float:
-        """An upper bound on any root child's calibrated chance (for skipping searches)."""
+        """The best calibrated chance of a root child in any bucket this drafter's nodes have
+        been seen in (the prior guess for a raw probability of 1 before any): the optimistic
+        bound behind skipping searches. Decay lets a skipped drafter's buckets drift back."""
         strength = self.prior_strength
-        depth0 = (self.accepted[:, :, 0] + strength * RAW_PRIOR_SCALE) / (self.observed[:, :, 0] + strength)
-        return float(min(depth0.max(), MAX_CHANCE))
+        observed = self.observed[:, :, 0]
+        if not (observed > 0).any():
+            return RAW_PRIOR_SCALE
+        depth0 = (self.accepted[:, :, 0] + strength * RAW_PRIOR_SCALE) / (observed + strength)
+        return float(min(depth0[observed > 0].max(), MAX_CHANCE))
 
     def observe(self, bucket: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Record the outcome of every node whose parent was accepted (one step's worth)."""
@@ -96,6 +101,10 @@ class AcceptanceCalibration:
                                       (self.accepted_total, bucket, hits), (self.observed_total, bucket, 1.0),
                                       (self.predicted_total, bucket, predicted)):
             np.add.at(counts.reshape(-1), index, values)
+
+    def tick(self) -> None:
+        """One budget step passed. Counts halve every ``decay_every`` steps, drafted or not, so a
+        bucket that stopped being drafted drifts back to its prior and gets tried again."""
         self.steps += 1
         if self.steps % self.decay_every == 0:
             for counts in (self.accepted, self.observed, self.accepted_coarse, self.observed_coarse):

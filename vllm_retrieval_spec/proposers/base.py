@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from vllm_retrieval_spec.compat import require_supported_vllm
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.drafts import DraftNodes, Drafts, DraftTree
+from vllm_retrieval_spec.drafts import Drafts, DraftTree
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 
@@ -70,6 +70,17 @@ class DraftBatch:
     def subset(self, keep: np.ndarray) -> DraftBatch:
         """The rows where ``keep`` is true."""
         return DraftBatch(self.token_ids, self.num_tokens, self.rows[keep], self.budgets[keep], self.trees)
+
+
+@dataclass
+class ChosenDrafts:
+    """What one step sends to vLLM: per drafted row its tokens (``[rows, N]``, the first
+    ``sizes[i]`` are sent) and, in tree mode, their parents."""
+
+    rows: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray | None
+    sizes: np.ndarray
 
 
 @dataclass
@@ -121,55 +132,51 @@ class DraftProposer(abc.ABC):
         **_: object,
     ) -> list[list[int]]:
         """vLLM's entry point: one list of draft token ids per input-batch row."""
-        start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        batch = self._rows_needing_drafts(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        try:
+            chosen = self._chosen_drafts(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception as error:  # a drafting bug must never take the server down
+            self._record_failure(error)
+            return drafts
+        if chosen is None:
+            return drafts
+        rows, sizes = chosen.rows.tolist(), chosen.sizes.tolist()
+        for row, row_tokens, size in zip(rows, chosen.tokens.tolist(), sizes):
+            drafts[row] = row_tokens[:size]
+        self.stats.drafted_rows += int(np.count_nonzero(chosen.sizes))
+        self.stats.draft_tokens += int(chosen.sizes.sum())
+        if chosen.parents is not None:
+            self._publish_trees(drafts, rows, chosen.parents.tolist(), sizes)
+        return drafts
+
+    def _chosen_drafts(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
+                       token_ids: np.ndarray) -> ChosenDrafts | None:
+        """Draft for the rows that need (and, with a goodput budget, deserve) drafts, then keep
+        what the budget chooses (or cut each row to its token budget)."""
+        start = time.perf_counter()
+        batch = self._rows_needing_drafts(sampled_token_ids, num_tokens, token_ids)
         budget = self.session.budget if self.session is not None else None
-        req_ids: list[str] = []
         if budget is not None:
             req_ids = self.session.step_req_ids
             budget.observe(req_ids, sampled_token_ids)
-            batch = batch.subset(budget.worth_searching([req_ids[row] for row in batch.rows.tolist()]))
+            batch = batch.subset(budget.worth_searching([req_ids[row] for row in batch.rows.tolist()],
+                                                        len(sampled_token_ids)))
         self.stats.steps += 1
         self.stats.rows += len(batch)
-        found = self._draft_safely(batch) if len(batch) else None
-        if found is None:
-            if budget is not None:
-                budget.nothing_drafted()
-            return drafts
+        if len(batch) == 0:
+            return None
+        found = self.draft(batch)
         trees = batch.trees and found.tree_tokens is not None  # some drafters only draft chains
         if budget is None:
-            tokens, parents, sizes = self._fixed_budget(found, batch, trees)
-        else:
-            rows = batch.rows.tolist()
-            nodes = found.nodes(trees)
-            keep = budget.choose([req_ids[row] for row in rows], nodes, batch.budgets, len(sampled_token_ids),
-                                 time.perf_counter() - start, trees=trees)
-            tokens, parents, sizes = _kept(nodes, keep)
-        rows, sizes_list = batch.rows.tolist(), sizes.tolist()
-        for row, row_tokens, size in zip(rows, tokens.tolist(), sizes_list):
-            drafts[row] = row_tokens[:size]
-        self.stats.drafted_rows += int(np.count_nonzero(sizes))
-        self.stats.draft_tokens += int(sizes.sum())
-        if trees:
-            self._publish_trees(drafts, rows, parents.tolist(), sizes_list)
-        return drafts
-
-    def _draft_safely(self, batch: DraftBatch) -> Drafts | None:
-        """The subclass's drafts, or None (logged once, counted) when it fails."""
-        try:
-            return self.draft(batch)
-        except Exception as error:  # a drafting bug must never take the server down
-            self._record_failure(error)
-            return None
-
-    @staticmethod
-    def _fixed_budget(found: Drafts, batch: DraftBatch,
-                      trees: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """``budget: fixed``: every row's drafts cut to its token budget."""
-        if trees:
-            return found.tree_tokens, found.tree_parents, np.minimum(found.tree_size, batch.budgets)
-        return found.chain_tokens, None, np.minimum(found.chain_size, batch.budgets)
+            if trees:
+                return ChosenDrafts(batch.rows, found.tree_tokens, found.tree_parents,
+                                    np.minimum(found.tree_size, batch.budgets))
+            return ChosenDrafts(batch.rows, found.chain_tokens, None, np.minimum(found.chain_size, batch.budgets))
+        nodes = found.nodes(trees)
+        keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
+                             len(sampled_token_ids), time.perf_counter() - start, trees=trees)
+        tokens, parents, sizes = nodes.kept(keep)
+        return ChosenDrafts(batch.rows, tokens, parents if trees else None, sizes)
 
     def _publish_trees(self, drafts: list[list[int]], rows: list[int], parents: list[list[int]],
                        sizes: list[int]) -> None:
@@ -202,12 +209,3 @@ class DraftProposer(abc.ABC):
                 type(self).__name__,
             )
 
-
-def _kept(nodes: DraftNodes, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kept nodes of every row moved to its front (order kept, so parents still come
-    first) with parent indices renumbered: tokens, parents, sizes."""
-    order = np.argsort(~keep, axis=1, kind="stable")
-    position = np.cumsum(keep, axis=1) - 1
-    parents = np.take_along_axis(np.asarray(nodes.parents), order, axis=1)
-    renumbered = np.where(parents >= 0, np.take_along_axis(position, np.maximum(parents, 0), axis=1), -1)
-    return np.take_along_axis(nodes.tokens, order, axis=1), renumbered, keep.sum(axis=1)
