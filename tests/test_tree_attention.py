@@ -1,7 +1,8 @@
 """Tree attention and KV compaction on both paged KV layouts equal a dense reference.
 
 The caches are filled by hand in each backend's layout (not through the module's own views),
-so a wrong view fails here; the CPU layout is also proven end to end in test_e2e_engine.py.
+so a wrong view fails here; the CPU layout is also proven end to end in test_e2e_engine.py. The
+kernel itself is compared with its torch reference on random trees, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import pytest
 import torch
 
 from vllm_retrieval_spec.drafts import DraftTree
+from vllm_retrieval_spec.kernels.attention import KVLayout, tree_attention
+from vllm_retrieval_spec.kernels.attention_reference import tree_attention_reference
+from vllm_retrieval_spec.kernels.tree import pack_tree_masks
 from vllm_retrieval_spec.verification.tree_attention import (
-    KVLayout,
     TreeAttentionError,
-    TreeRows,
+    TreeNodes,
     apply_tree_attention,
     check_layout,
     compact_kv,
@@ -74,6 +77,11 @@ class Batch:
         self.key = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
         self.value = torch.randn(self.num_tokens, KV_HEADS * HEAD_SIZE, generator=gen)
         self.trees, self.starts = trees, starts
+        for row, (tree, start, context) in enumerate(zip(trees, starts, contexts)):
+            for node in range(len(tree.tokens)):  # the backend stores the nodes' K/V first
+                flat = start + 1 + node
+                write_slot(self.cache, layout, self.slot(row, context + node),
+                           self.key[flat].view(KV_HEADS, HEAD_SIZE), self.value[flat].view(KV_HEADS, HEAD_SIZE))
         self.plan = TreeStepPlan.build(trees, np.array(starts))
         self.context_lens = np.array(contexts)
         self.impl = SimpleNamespace(num_heads=HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
@@ -102,10 +110,10 @@ class Batch:
 def test_tree_rows_match_dense_attention(layout, device):
     batch = Batch(layout)
     output = torch.full((batch.num_tokens, HEADS * HEAD_SIZE), 7.0, device=device)
-    rows = TreeRows.build(batch.plan, batch.context_lens, batch.blocks.to(device), BLOCK_SIZE)
-    inputs = (t.to(device) for t in (batch.query, batch.key, batch.value, batch.cache))
-    apply_tree_attention(batch.impl, *inputs, layout, output, rows)
+    nodes = TreeNodes.build(batch.plan, batch.context_lens, batch.blocks.to(device))
+    apply_tree_attention(batch.impl, batch.query.to(device), batch.cache.to(device), layout, output, nodes)
     output, expected = output.cpu(), batch.reference_rows()
+    assert len(expected) == 8
     for flat in range(batch.num_tokens):
         if flat in expected:
             torch.testing.assert_close(output[flat], expected[flat], rtol=1e-5, atol=1e-5)
@@ -134,3 +142,60 @@ def test_layout_check_accepts_its_own_layout_and_refuses_the_other(layout):
     other = next(other for other in KVLayout if other is not layout)
     with pytest.raises(TreeAttentionError, match="layout tree verification reads"):
         check_layout(batch.cache, other, slots, keys.reshape(9, -1), values.reshape(9, -1))
+
+
+def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str):
+    """A random cache and random trees for the kernel: (kernel inputs, scale)."""
+    group, kv_heads = int(rng.choice([1, 3, 4])), int(rng.integers(1, 3))
+    head_size, block_size = int(rng.choice([8, 37, 64])), int(rng.choice([5, 16, 32]))
+    requests = int(rng.integers(1, 5))
+    contexts = rng.integers(1, 60, requests)
+    sizes = rng.integers(2, 40, requests)
+    width = int((contexts + sizes).max()) // block_size + 1
+    parents = [np.array([int(rng.integers(-1, j)) for j in range(size)], dtype=np.int32) for size in sizes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    masks = pack_tree_masks(np.concatenate(parents), offsets, int(sizes.max()))
+    num_blocks = requests * width + 3
+    table = rng.permutation(num_blocks)[: requests * width].reshape(requests, width).astype(np.int32)
+    nodes = rng.permutation(int(offsets[-1]))[: int(rng.integers(1, offsets[-1] + 1))]
+    nodes.sort()
+    request = (np.searchsorted(offsets, nodes, side="right") - 1).astype(np.int32)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    query = torch.randn(len(nodes), group * kv_heads, head_size, generator=gen).to(dtype)
+    arrays = (table, request, contexts[request].astype(np.int32), (nodes - offsets[request]).astype(np.int32),
+              np.ascontiguousarray(masks.ancestor_mask[nodes]))
+    inputs = [query, cache] + [torch.from_numpy(a) for a in arrays]
+    return [t.to(device) for t in inputs], head_size**-0.5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_kernel_matches_reference_on_random_trees(layout, dtype, device):
+    rng = np.random.default_rng(7)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(25):
+        (query, cache, table, request, context, index, ancestors), scale = random_tree_batch(rng, layout, dtype, device)
+        got = tree_attention(query, cache, layout, table, request, context, index, ancestors, scale)
+        expected = tree_attention_reference(query.cpu(), cache.cpu(), layout, table.cpu(), request.cpu(),
+                                            context.cpu(), index.cpu(), ancestors.cpu(), scale)
+        torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_kernel_refuses_blocks_and_positions_outside_the_cache(layout):
+    (query, cache, table, request, context, index, ancestors), scale = random_tree_batch(
+        np.random.default_rng(3), layout, torch.float32, "cpu")
+    bad = table.clone()
+    bad[int(request[0]), 0] = cache.shape[0]  # one block past the cache
+    with pytest.raises(IndexError, match="outside the cache"):
+        tree_attention(query, cache, layout, bad, request, context, index, ancestors, scale)
+    bad[int(request[0]), 0] = -1
+    with pytest.raises(IndexError, match="outside the cache"):
+        tree_attention(query, cache, layout, bad, request, context, index, ancestors, scale)
+    long_context = torch.full_like(context, table.shape[1] * cache.shape[2])
+    with pytest.raises(IndexError, match="past the block table"):
+        tree_attention(query, cache, layout, table, request, long_context, index, ancestors, scale)
+    with pytest.raises(IndexError, match="out of range"):
+        tree_attention(query, cache, layout, table, request + table.shape[0], context, index, ancestors, scale)

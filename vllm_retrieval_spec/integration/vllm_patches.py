@@ -21,12 +21,12 @@ import torch
 from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
+from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
-from vllm_retrieval_spec.verification.tree_attention import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig

@@ -30,8 +30,8 @@ import torch
 
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
+from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.verification import tree_attention as ops
-from vllm_retrieval_spec.verification.tree_attention import KVLayout
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class SpecSession:
     _draft_seconds: float = field(default=0.0, init=False, repr=False)
     _branching_seen: int = field(default=0, init=False, repr=False)
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
-    _tree_rows: ops.TreeRows | None = field(default=None, init=False, repr=False)
+    _tree_nodes: ops.TreeNodes | None = field(default=None, init=False, repr=False)
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ drafting side
@@ -133,7 +133,7 @@ class SpecSession:
     def plan_step(self, runner: GPUModelRunner, spec_tokens: Mapping[str, Sequence[int]]) -> None:
         """Build this step's plan (none when no tree branches) and move the draft nodes'
         rotary positions to ``base + depth``. Runs after vLLM's ``_prepare_inputs``."""
-        self.plan = self._tree_rows = self._kv_layout = None
+        self.plan = self._tree_nodes = self._kv_layout = None
         if not spec_tokens:
             return
         num_reqs = runner.input_batch.num_reqs
@@ -162,10 +162,10 @@ class SpecSession:
             return
         if not self.layout_checked:
             self._check_layout(impl, layer, key, value, kv_cache, metadata, layout)
-        if self._tree_rows is None:
-            self._tree_rows = ops.TreeRows.build(plan, self._context_lens, metadata.block_table, kv_cache.shape[2])
+        if self._tree_nodes is None:
+            self._tree_nodes = ops.TreeNodes.build(plan, self._context_lens, metadata.block_table)
             self._kv_layout = layout
-        ops.apply_tree_attention(impl, query, key, value, kv_cache, layout, output, self._tree_rows)
+        ops.apply_tree_attention(impl, query, kv_cache, layout, output, self._tree_nodes)
 
     def finish_step(self, kv_caches: Sequence[torch.Tensor], path_nodes: np.ndarray,
                     num_accepted: np.ndarray) -> None:

@@ -1,0 +1,394 @@
+// CPU backend of tree attention (tree_attention.h): threads over (tile of up to kTileNodes
+// nodes of one request, kv head). A task scores each context block of the cache for all of its
+// query rows at once (the block stays in L1), folds it into a per-row online softmax, then adds
+// each node's ancestors. The hot function is compiled for AVX-512, AVX2+FMA and baseline x86-64
+// (picked at load time); this file alone may contract multiply-adds (CMakeLists.txt).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+#include "tree_attention.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VRS_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VRS_ISA_CLONES
+#endif
+#define VRS_INLINE inline __attribute__((always_inline))
+
+namespace vrs {
+namespace {
+
+constexpr int kTileNodes = 8;
+constexpr int kChunk = 16;  // keys scored together (one AVX-512 register of floats)
+constexpr int64_t kAttentionGrain = int64_t{1} << 17;  // multiply-adds worth one thread
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+VRS_INLINE float to_float(float x) { return x; }
+
+VRS_INLINE float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+VRS_INLINE void store(float* dst, float value) { *dst = value; }
+
+VRS_INLINE void store(BFloat16* dst, float value) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  dst->bits = std::isnan(value) ? static_cast<uint16_t>((bits >> 16) | 0x40)
+                                : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); vectorizable.
+VRS_INLINE float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return y * scale;
+}
+
+// kChunk floats as one GCC vector (one AVX-512 register, two AVX2 ones, four SSE ones).
+typedef float VFloat __attribute__((vector_size(kChunk * sizeof(float))));
+typedef int32_t VInt __attribute__((vector_size(kChunk * sizeof(int32_t))));
+typedef uint16_t VBits16 __attribute__((vector_size(kChunk * sizeof(uint16_t))));
+
+VRS_INLINE VFloat load_chunk(const float* p) {
+  VFloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+VRS_INLINE VFloat load_chunk(const BFloat16* p) {
+  VBits16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const VInt widened = __builtin_convertvector(bits, VInt) << 16;
+  VFloat v;
+  std::memcpy(&v, &widened, sizeof(v));
+  return v;
+}
+
+VRS_INLINE void store_chunk(float* p, VFloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+VRS_INLINE VFloat splat(float x) { return VFloat{} + x; }
+
+// exp_nonpositive on a chunk (round to nearest by the 1.5 * 2^23 trick).
+VRS_INLINE VFloat exp_nonpositive(VFloat x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const VFloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const VFloat r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  VFloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const VFloat y = p * r * r + r + 1.0f;
+  const VInt exponent = (__builtin_convertvector(k, VInt) + 127) << 23;
+  VFloat scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return y * scale;
+}
+
+// Where a layer's keys and values are: key (t, d) at key[t * key_t + d * key_d], value (t, d)
+// at value[t * value_t + d], t counted from the start of a block.
+struct Strides {
+  int64_t key_t, key_d, value_offset, value_t;
+
+  static Strides of(const TreeAttentionArgs& a) {
+    const int64_t d = a.head_size, bs = a.block_size;
+    if (a.layout == KVLayoutCode::kCpuVec) return {1, bs, bs * d, d};
+    return {2 * d, 1, d, 2 * d};
+  }
+};
+
+// One task's query rows (node-major, then the kv head's query heads) and softmax state.
+struct Workspace {
+  std::vector<float> q, acc, max, sum, scores;  // scores: [rows, stride]
+  std::vector<int64_t> node_keys, node_values;   // a node's ancestors' offsets in the cache
+  int stride = 0;
+
+  void reset(int rows, int head_size, int block_size, int max_tree_nodes) {
+    stride = (std::max(block_size, max_tree_nodes) + kChunk - 1) / kChunk * kChunk;
+    q.assign(static_cast<size_t>(rows) * head_size, 0.0f);
+    acc.assign(static_cast<size_t>(rows) * head_size, 0.0f);
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.0f);
+    scores.resize(static_cast<size_t>(rows) * stride);
+  }
+};
+
+struct Tile {
+  int64_t begin, end;  // nodes [begin, end) of one request
+};
+
+struct TaskView {
+  const TreeAttentionArgs& a;
+  Strides st;
+  const int32_t* table;  // the request's block table row
+  int context;
+
+  // Element offset of the block holding cache position `pos`, kv head `g` (checked beforehand
+  // by check_positions: nothing here may throw, exceptions do not cross target_clones).
+  VRS_INLINE int64_t block_base(int pos, int g) const {
+    const int64_t block = table[pos / a.block_size];
+    return ((block * a.kv_heads + g) * a.block_size) * 2 * a.head_size;
+  }
+};
+
+// Rows handled together by the inner loops: kRowBlock accumulators share every key or value
+// load and hide the multiply-add latency.
+constexpr int kRowBlock = 4;
+
+// acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R).
+template <int R, typename T, typename ValueAt>
+VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, const T* cache,
+                                ValueAt value_at) {
+  const float* p[R];
+  float* acc[R];
+  for (int i = 0; i < R; ++i) {
+    p[i] = ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride;
+    acc[i] = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size;
+  }
+  int d0 = 0;
+  for (; d0 + kChunk <= head_size; d0 += kChunk) {
+    VFloat sums[R];
+    for (int i = 0; i < R; ++i) sums[i] = load_chunk(acc[i] + d0);
+    for (int t = 0; t < n; ++t) {
+      const VFloat v = load_chunk(cache + value_at(t) + d0);
+      for (int i = 0; i < R; ++i) sums[i] += p[i][t] * v;
+    }
+    for (int i = 0; i < R; ++i) store_chunk(acc[i] + d0, sums[i]);
+  }
+  for (int t = 0; t < n && d0 < head_size; ++t) {
+    const T* v = cache + value_at(t);
+    for (int i = 0; i < R; ++i)
+      for (int d = d0; d < head_size; ++d) acc[i][d] += p[i][t] * to_float(v[d]);
+  }
+}
+
+// Folds `n` scored keys into rows [row_begin, row_end): scores[r * stride + t] becomes
+// exp(score - new max), values of key t start at cache + value_at(t).
+template <typename T, typename ValueAt>
+VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int head_size,
+                          const T* cache, ValueAt value_at) {
+  for (int r = row_begin; r < row_end; ++r) {
+    float* s = ws.scores.data() + static_cast<int64_t>(r) * ws.stride;
+    const int full = n - n % kChunk;
+    VFloat tops = splat(ws.max[r]);
+    for (int t = 0; t < full; t += kChunk) {
+      const VFloat chunk = load_chunk(s + t);
+      tops = chunk > tops ? chunk : tops;
+    }
+    float top = ws.max[r];
+    for (int i = 0; i < kChunk; ++i) top = std::max(top, tops[i]);
+    for (int t = full; t < n; ++t) top = std::max(top, s[t]);
+    const float correction = exp_nonpositive(ws.max[r] - top);
+    VFloat totals = {};
+    for (int t = 0; t < full; t += kChunk) {
+      const VFloat e = exp_nonpositive(load_chunk(s + t) - top);
+      store_chunk(s + t, e);
+      totals += e;
+    }
+    float total = 0.0f;
+    for (int i = 0; i < kChunk; ++i) total += totals[i];
+    for (int t = full; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - top);
+      total += s[t];
+    }
+    ws.max[r] = top;
+    ws.sum[r] = ws.sum[r] * correction + total;
+    float* acc = ws.acc.data() + static_cast<int64_t>(r) * head_size;
+    for (int d = 0; d < head_size; ++d) acc[d] *= correction;
+  }
+  int r = row_begin;
+  for (; r + kRowBlock <= row_end; r += kRowBlock)
+    accumulate_rows<kRowBlock>(ws, r, n, head_size, cache, value_at);
+  for (; r < row_end; ++r) accumulate_rows<1>(ws, r, n, head_size, cache, value_at);
+}
+
+// Scores of rows [r0, r0 + R) for the keys [t0, t0 + kChunk) of a transposed block.
+template <int R, typename T>
+VRS_INLINE void score_chunk(Workspace& ws, int r0, int t0, int head_size, const T* keys,
+                            int64_t key_d) {
+  VFloat sums[R] = {};
+  const float* q[R];
+  for (int i = 0; i < R; ++i) q[i] = ws.q.data() + static_cast<int64_t>(r0 + i) * head_size;
+  for (int d = 0; d < head_size; ++d) {
+    const VFloat k = load_chunk(keys + d * key_d + t0);
+    for (int i = 0; i < R; ++i) sums[i] += q[i][d] * k;
+  }
+  for (int i = 0; i < R; ++i) store_chunk(ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride + t0, sums[i]);
+}
+
+// Scores of the first n keys of one context block (key (t, d) at keys[t * key_t + d * key_d])
+// for every row of the task.
+template <typename T>
+VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int block_size,
+                            const T* keys, const Strides& st) {
+  const int64_t stride = ws.stride;
+  float* scores = ws.scores.data();
+  const float* q = ws.q.data();
+  int t0 = 0;
+  if (st.key_t == 1) {  // keys transposed: vectorize over keys, whole chunks within the block
+    const int full = std::min(n, block_size - block_size % kChunk);
+    for (; t0 < full; t0 += kChunk) {
+      int r = 0;
+      for (; r + kRowBlock <= rows; r += kRowBlock) score_chunk<kRowBlock>(ws, r, t0, head_size, keys, st.key_d);
+      for (; r < rows; ++r) score_chunk<1>(ws, r, t0, head_size, keys, st.key_d);
+    }
+  }
+  for (int t = t0; t < n; ++t) {  // the rest, and keys stored as rows
+    const T* k = keys + t * st.key_t;
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + static_cast<int64_t>(r) * head_size;
+      float dot = 0.0f;
+      for (int d = 0; d < head_size; ++d) dot += qr[d] * to_float(k[d * st.key_d]);
+      scores[r * stride + t] = dot;
+    }
+  }
+}
+
+template <typename T>
+VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g, Workspace& ws) {
+  const int group = a.heads / a.kv_heads, hs = a.head_size, bs = a.block_size;
+  const int rows = static_cast<int>(tile.end - tile.begin) * group;
+  const T* query = static_cast<const T*>(a.query);
+  const T* cache = static_cast<const T*>(a.cache);
+  ws.reset(rows, hs, bs, a.words * 64);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t node = tile.begin + r / group, head = g * group + r % group;
+    const T* src = query + (node * a.heads + head) * hs;
+    for (int d = 0; d < hs; ++d) ws.q[static_cast<size_t>(r) * hs + d] = to_float(src[d]) * a.scale;
+  }
+  const int64_t request = a.node_request[tile.begin];
+  const TaskView view{a, Strides::of(a), a.block_table + request * a.table_width,
+                      a.node_context[tile.begin]};
+  const Strides& st = view.st;
+  for (int start = 0; start < view.context; start += bs) {
+    const int64_t base = view.block_base(start, g);
+    const int n = std::min(bs, view.context - start);
+    score_block(ws, rows, n, hs, bs, cache + base, st);
+    fold_keys(ws, 0, rows, n, hs, cache,
+              [&](int t) { return base + st.value_offset + t * st.value_t; });
+  }
+  for (int64_t node = tile.begin; node < tile.end; ++node) {  // ancestors and the node itself
+    const int index = a.node_index[node];
+    const uint64_t* bits = a.ancestors + node * a.words;
+    ws.node_keys.clear();
+    ws.node_values.clear();
+    for (int j = 0; j <= index; ++j) {
+      if (!((bits[j / 64] >> (j % 64)) & 1)) continue;
+      const int pos = view.context + j;
+      const int64_t base = view.block_base(pos, g), in_block = pos % bs;
+      ws.node_keys.push_back(base + in_block * st.key_t);
+      ws.node_values.push_back(base + st.value_offset + in_block * st.value_t);
+    }
+    const int n = static_cast<int>(ws.node_keys.size());
+    const int first = static_cast<int>(node - tile.begin) * group;
+    for (int r = first; r < first + group; ++r) {
+      const float* qr = ws.q.data() + static_cast<int64_t>(r) * hs;
+      for (int t = 0; t < n; ++t) {
+        const T* k = cache + ws.node_keys[t];
+        float dot = 0.0f;
+        for (int d = 0; d < hs; ++d) dot += qr[d] * to_float(k[d * st.key_d]);
+        ws.scores[static_cast<int64_t>(r) * ws.stride + t] = dot;
+      }
+    }
+    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) { return ws.node_values[t]; });
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t node = tile.begin + r / group, head = g * group + r % group;
+    const float inverse = 1.0f / ws.sum[r];
+    const float* acc = ws.acc.data() + static_cast<int64_t>(r) * hs;
+    for (int d = 0; d < hs; ++d) store(out + (node * a.heads + head) * hs + d, acc[d] * inverse);
+  }
+}
+
+VRS_ISA_CLONES void attend_tile_float32(const TreeAttentionArgs& a, const Tile& tile, int g,
+                                        Workspace& ws) {
+  attend_tile<float>(a, tile, g, ws);
+}
+
+VRS_ISA_CLONES void attend_tile_bfloat16(const TreeAttentionArgs& a, const Tile& tile, int g,
+                                         Workspace& ws) {
+  attend_tile<BFloat16>(a, tile, g, ws);
+}
+
+// Runs of up to kTileNodes consecutive nodes of the same request.
+std::vector<Tile> tiles_of(const TreeAttentionArgs& a) {
+  std::vector<Tile> tiles;
+  for (int64_t begin = 0; begin < a.num_nodes;) {
+    int64_t end = begin + 1;
+    while (end < a.num_nodes && end - begin < kTileNodes &&
+           a.node_request[end] == a.node_request[begin] &&
+           a.node_context[end] == a.node_context[begin])
+      ++end;
+    tiles.push_back({begin, end});
+    begin = end;
+  }
+  return tiles;
+}
+
+// Every position a tile's nodes read lies in its block table row, on a block of the cache.
+void check_positions(const TreeAttentionArgs& a, const std::vector<Tile>& tiles) {
+  for (const Tile& tile : tiles) {
+    int64_t last = 0;
+    for (int64_t m = tile.begin; m < tile.end; ++m)
+      last = std::max<int64_t>(last, static_cast<int64_t>(a.node_context[m]) + a.node_index[m]);
+    if (last / a.block_size >= a.table_width)
+      throw std::out_of_range("tree attention: position " + std::to_string(last) +
+                              " is past the block table's " + std::to_string(a.table_width) +
+                              " blocks");
+    const int32_t* table = a.block_table + static_cast<int64_t>(a.node_request[tile.begin]) * a.table_width;
+    for (int64_t index = 0; index <= last / a.block_size; ++index)
+      if (table[index] < 0 || table[index] >= a.num_blocks)
+        throw std::out_of_range("tree attention: block table holds block " +
+                                std::to_string(table[index]) + ", outside the cache's " +
+                                std::to_string(a.num_blocks) + " blocks");
+  }
+}
+
+}  // namespace
+
+void tree_attention_cpu(const TreeAttentionArgs& a, int max_threads) {
+  if (a.dtype == AttentionDtype::kFloat16)
+    throw std::invalid_argument("tree attention on the CPU takes float32 or bfloat16, not float16");
+  const std::vector<Tile> tiles = tiles_of(a);
+  check_positions(a, tiles);
+  int64_t work = 0;
+  for (int64_t m = 0; m < a.num_nodes; ++m) work += a.node_context[m] + a.node_index[m] + 1;
+  work *= static_cast<int64_t>(a.heads) * a.head_size * 2;
+  const ThreadPlan plan{max_threads, work, kAttentionGrain};
+  const int64_t tasks = static_cast<int64_t>(tiles.size()) * a.kv_heads;
+  parallel_for(tasks, plan, [&](int64_t task) {
+    thread_local Workspace ws;
+    const Tile& tile = tiles[task / a.kv_heads];
+    const int g = static_cast<int>(task % a.kv_heads);
+    if (a.dtype == AttentionDtype::kFloat32) attend_tile_float32(a, tile, g, ws);
+    else attend_tile_bfloat16(a, tile, g, ws);
+  });
+}
+
+}  // namespace vrs

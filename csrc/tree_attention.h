@@ -1,0 +1,57 @@
+// Tree attention on a paged KV cache: the draft nodes of branching trees attend to their
+// request's whole context and to their ancestors (and themselves), reading keys and values in
+// place from vLLM's cache through the block table — no copy of the context.
+//
+// Node m of request r = node_request[m] (a row of block_table) with local index
+// j = node_index[m] and context length C = node_context[m] (root included) attends to the cache
+// positions 0..C-1 and to C + a for every ancestor-or-self a of j (bit a of its ancestor row).
+// The CPU kernel (tree_attention.cpp) and the CUDA kernel (tree_attention_cuda.cu) compute the
+// same online softmax in float32; vllm_retrieval_spec.kernels.attention_reference is the plain
+// torch reference both are tested against.
+#pragma once
+
+#include <cstdint>
+
+namespace vrs {
+
+// Per (block, kv head) of a layer's cache [num_blocks, kv_heads, block_size, 2 * head_size]:
+enum class KVLayoutCode : int {
+  kCpuVec = 0,        // keys transposed [head_size, block_size], then values [block_size, head_size]
+  kSplitLastDim = 1,  // keys and values side by side on the last dimension
+};
+
+enum class AttentionDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct TreeAttentionArgs {
+  const void* query;            // [nodes, heads, head_size]
+  const void* cache;            // [num_blocks, kv_heads, block_size, 2 * head_size]
+  void* out;                    // [nodes, heads, head_size]
+  const int32_t* block_table;   // [table_rows, table_width]
+  const int32_t* node_request;  // [nodes] row of block_table
+  const int32_t* node_context;  // [nodes] context tokens of the node's request (root included)
+  const int32_t* node_index;    // [nodes] local index within its tree
+  const uint64_t* ancestors;    // [nodes, words] bit a: local node a is an ancestor or itself
+  int64_t num_nodes;
+  int64_t num_blocks;
+  int64_t table_rows;
+  int table_width;
+  int words;
+  int heads;
+  int kv_heads;
+  int head_size;
+  int block_size;
+  KVLayoutCode layout;
+  AttentionDtype dtype;
+  float scale;
+};
+
+// CPU threads over (tile of a request's nodes, kv head); throws std::out_of_range on a block
+// id or position outside the cache or the block table.
+void tree_attention_cpu(const TreeAttentionArgs& args, int max_threads);
+
+#ifdef VRS_WITH_CUDA
+// One thread block per (node, kv head); positions outside the table or the cache are skipped.
+void tree_attention_cuda(const TreeAttentionArgs& args, std::uintptr_t stream);
+#endif
+
+}  // namespace vrs
