@@ -67,6 +67,7 @@ CONFIGS: dict[str, dict] = {
     "rest_k8": _ours("RestProposer", 8),
     "rest_k8_fixed": _ours("RestProposer", 8, budget="fixed"),
     "rest_tree_k16": _ours("RestProposer", 16, tree=True),
+    "rest_tree_k16_fixed": _ours("RestProposer", 16, tree=True, budget="fixed"),
     "ngrammys_tree_k16": _ours("NGrammysProposer", 16, tree=True),
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),

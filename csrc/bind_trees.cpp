@@ -142,11 +142,13 @@ int accept_trees_cpu(const TreeAcceptArgs<Cpu>& args, int num_threads) {
 
 
 template <typename Device, size_t Dims>
-using Floats = nb::ndarray<nb::ndim<Dims>, nb::c_contig, Device>;
+using Floats = nb::ndarray<nb::ndim<Dims>, Device>;
 template <typename Device>
 using TableMatrix = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, Device>;
 template <typename Device>
 using ConstMaskMatrix = nb::ndarray<const uint64_t, nb::ndim<2>, nb::c_contig, Device>;
+template <typename Device>
+using RowVector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, Device>;
 
 vrs::AttentionDtype attention_dtype(nb::dlpack::dtype dtype) {
   if (dtype == nb::dtype<float>()) return vrs::AttentionDtype::kFloat32;
@@ -160,48 +162,60 @@ vrs::AttentionDtype attention_dtype(nb::dlpack::dtype dtype) {
 // The inputs of tree attention, shapes checked (tree_attention.h says what each holds).
 template <typename Device>
 struct TreeAttentionInputs {
-  Floats<Device, 3> query;
+  Floats<Device, 2> query;
   Floats<Device, 4> kv_cache;
-  Floats<Device, 3> out;
+  Floats<Device, 2> out;
+  RowVector<Device> node_row;
   TableMatrix<Device> block_table;
   ConstVector<Device> node_request, node_context, node_index;
   ConstMaskMatrix<Device> ancestors;
+  int heads;
   int layout;
   float scale;
 
   vrs::TreeAttentionArgs args() const {
-    const size_t nodes = query.shape(0), heads = query.shape(1), head_size = query.shape(2);
-    const size_t kv_heads = kv_cache.shape(1);
-    if (out.shape(0) != nodes || out.shape(1) != heads || out.shape(2) != head_size)
-      throw std::invalid_argument("out must have the query's shape [nodes, heads, head_size]");
-    if (kv_cache.shape(3) != 2 * head_size || kv_heads == 0 || heads % kv_heads != 0)
+    const size_t nodes = node_row.shape(0), kv_heads = kv_cache.shape(1);
+    const size_t head_size = kv_cache.shape(3) / 2;
+    if (heads < 1 || kv_heads == 0 || heads % kv_heads != 0 || kv_cache.shape(3) % 2 != 0)
       throw std::invalid_argument("kv_cache must be [blocks, kv_heads, block_size, 2 * head_size] "
                                   "with kv_heads dividing the query's heads");
+    if (query.shape(1) != heads * head_size || out.shape(1) != query.shape(1) ||
+        query.stride(1) != 1 || out.stride(1) != 1 || !kv_cache.is_valid() ||
+        kv_cache.stride(3) != 1 || kv_cache.stride(2) != static_cast<int64_t>(2 * head_size) ||
+        kv_cache.stride(1) != static_cast<int64_t>(kv_cache.shape(2) * 2 * head_size) ||
+        kv_cache.stride(0) != static_cast<int64_t>(kv_heads * kv_cache.shape(2) * 2 * head_size))
+      throw std::invalid_argument("query and out must be [tokens, heads * head_size] with "
+                                  "contiguous rows, kv_cache contiguous");
     if (node_request.shape(0) != nodes || node_context.shape(0) != nodes ||
         node_index.shape(0) != nodes || ancestors.shape(0) != nodes || ancestors.shape(1) < 1)
-      throw std::invalid_argument("node_request, node_context, node_index and ancestors must "
-                                  "have one row per query node");
+      throw std::invalid_argument("node_row, node_request, node_context, node_index and "
+                                  "ancestors must have one row per node");
     if (layout != 0 && layout != 1) throw std::invalid_argument("layout must be 0 or 1");
     const vrs::AttentionDtype dtype = attention_dtype(query.dtype());
     if (attention_dtype(kv_cache.dtype()) != dtype || attention_dtype(out.dtype()) != dtype)
       throw std::invalid_argument("query, kv_cache and out must have one dtype");
     return vrs::TreeAttentionArgs{
-        query.data(), kv_cache.data(), out.data(), block_table.data(), node_request.data(),
-        node_context.data(), node_index.data(), ancestors.data(), static_cast<int64_t>(nodes),
+        query.data(), kv_cache.data(), out.data(), node_row.data(), block_table.data(),
+        node_request.data(), node_context.data(), node_index.data(), ancestors.data(),
+        static_cast<int64_t>(nodes), static_cast<int64_t>(query.shape(0)), query.stride(0),
+        static_cast<int64_t>(out.shape(0)), out.stride(0),
         static_cast<int64_t>(kv_cache.shape(0)), static_cast<int64_t>(block_table.shape(0)),
-        static_cast<int>(block_table.shape(1)), static_cast<int>(ancestors.shape(1)),
-        static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_size),
+        static_cast<int>(block_table.shape(1)), static_cast<int>(ancestors.shape(1)), heads,
+        static_cast<int>(kv_heads), static_cast<int>(head_size),
         static_cast<int>(kv_cache.shape(2)), static_cast<vrs::KVLayoutCode>(layout), dtype, scale};
   }
 };
 
-// Host node arrays must name table rows, non-empty contexts and nodes the ancestor rows hold.
+// Host node arrays must name query and out rows, table rows, non-empty contexts and nodes the
+// ancestor rows hold.
 void check_attention_nodes(const vrs::TreeAttentionArgs& a) {
   for (int64_t m = 0; m < a.num_nodes; ++m)
-    if (a.node_request[m] < 0 || a.node_request[m] >= a.table_rows || a.node_context[m] < 1 ||
+    if (a.node_row[m] < 0 || a.node_row[m] >= std::min(a.query_rows, a.out_rows) ||
+        a.node_request[m] < 0 || a.node_request[m] >= a.table_rows || a.node_context[m] < 1 ||
         a.node_index[m] < 0 || a.node_index[m] >= a.words * 64)
       throw std::out_of_range("tree attention: node " + std::to_string(m) +
-                              " names a block table row, context or tree index out of range");
+                              " names a token row, block table row, context or tree index out "
+                              "of range");
 }
 
 int tree_attention_cpu(const TreeAttentionInputs<Cpu>& inputs, int num_threads) {
@@ -268,33 +282,37 @@ void bind_trees(nb::module_& m) {
       "over trees, GIL released); fills the outputs.");
   m.def(
       "tree_attention",
-      [](Floats<Cpu, 3> query, Floats<Cpu, 4> kv_cache, Floats<Cpu, 3> out,
-         TableMatrix<Cpu> block_table, ConstVector<Cpu> node_request,
-         ConstVector<Cpu> node_context, ConstVector<Cpu> node_index,
-         ConstMaskMatrix<Cpu> ancestors, int layout, float scale, int num_threads) {
-        return tree_attention_cpu({query, kv_cache, out, block_table, node_request, node_context,
-                                   node_index, ancestors, layout, scale},
+      [](Floats<Cpu, 2> query, Floats<Cpu, 4> kv_cache, Floats<Cpu, 2> out,
+         RowVector<Cpu> node_row, TableMatrix<Cpu> block_table,
+         ConstVector<Cpu> node_request, ConstVector<Cpu> node_context,
+         ConstVector<Cpu> node_index, ConstMaskMatrix<Cpu> ancestors, int heads, int layout,
+         float scale, int num_threads) {
+        return tree_attention_cpu({query, kv_cache, out, node_row, block_table, node_request,
+                                   node_context, node_index, ancestors, heads, layout, scale},
                                   num_threads);
       },
-      nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("block_table"),
-      nb::arg("node_request"), nb::arg("node_context"), nb::arg("node_index"),
-      nb::arg("ancestors"), nb::arg("layout"), nb::arg("scale"), nb::arg("num_threads") = 0,
+      nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("node_row"),
+      nb::arg("block_table"), nb::arg("node_request"), nb::arg("node_context"),
+      nb::arg("node_index"), nb::arg("ancestors"), nb::arg("heads"), nb::arg("layout"),
+      nb::arg("scale"), nb::arg("num_threads") = 0,
       "Tree attention of draft nodes over their paged context and ancestors (CPU threads, GIL "
-      "released); fills out [nodes, heads, head_size].");
+      "released); overwrites rows node_row of out [tokens, heads * head_size].");
 #ifdef VRS_WITH_CUDA
   m.def(
       "tree_attention",
-      [](Floats<Cuda, 3> query, Floats<Cuda, 4> kv_cache, Floats<Cuda, 3> out,
-         TableMatrix<Cuda> block_table, ConstVector<Cuda> node_request,
-         ConstVector<Cuda> node_context, ConstVector<Cuda> node_index,
-         ConstMaskMatrix<Cuda> ancestors, int layout, float scale, std::uintptr_t stream) {
-        return tree_attention_gpu({query, kv_cache, out, block_table, node_request, node_context,
-                                   node_index, ancestors, layout, scale},
+      [](Floats<Cuda, 2> query, Floats<Cuda, 4> kv_cache, Floats<Cuda, 2> out,
+         RowVector<Cuda> node_row, TableMatrix<Cuda> block_table,
+         ConstVector<Cuda> node_request, ConstVector<Cuda> node_context,
+         ConstVector<Cuda> node_index, ConstMaskMatrix<Cuda> ancestors, int heads, int layout,
+         float scale, std::uintptr_t stream) {
+        return tree_attention_gpu({query, kv_cache, out, node_row, block_table, node_request,
+                                   node_context, node_index, ancestors, heads, layout, scale},
                                   stream);
       },
-      nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("block_table"),
-      nb::arg("node_request"), nb::arg("node_context"), nb::arg("node_index"),
-      nb::arg("ancestors"), nb::arg("layout"), nb::arg("scale"), nb::arg("stream") = 0,
+      nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("node_row"),
+      nb::arg("block_table"), nb::arg("node_request"), nb::arg("node_context"),
+      nb::arg("node_index"), nb::arg("ancestors"), nb::arg("heads"), nb::arg("layout"),
+      nb::arg("scale"), nb::arg("stream") = 0,
       "tree_attention on a CUDA device (one block per node and kv head).");
 #endif
   m.def(

@@ -278,7 +278,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
   ws.reset(rows, hs, bs, a.words * 64);
   for (int r = 0; r < rows; ++r) {
     const int64_t node = tile.begin + r / group, head = g * group + r % group;
-    const T* src = query + (node * a.heads + head) * hs;
+    const T* src = query + a.node_row[node] * a.query_stride + head * hs;
     for (int d = 0; d < hs; ++d) ws.q[static_cast<size_t>(r) * hs + d] = to_float(src[d]) * a.scale;
   }
   const int64_t request = a.node_request[tile.begin];
@@ -322,7 +322,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     const int64_t node = tile.begin + r / group, head = g * group + r % group;
     const float inverse = 1.0f / ws.sum[r];
     const float* acc = ws.acc.data() + static_cast<int64_t>(r) * hs;
-    for (int d = 0; d < hs; ++d) store(out + (node * a.heads + head) * hs + d, acc[d] * inverse);
+    T* row = out + a.node_row[node] * a.out_stride + head * hs;
+    for (int d = 0; d < hs; ++d) store(row + d, acc[d] * inverse);
   }
 }
 

@@ -2,7 +2,9 @@
 // request's whole context and to their ancestors (and themselves), reading keys and values in
 // place from vLLM's cache through the block table — no copy of the context.
 //
-// Node m of request r = node_request[m] (a row of block_table) with local index
+// Node m reads its query from token row node_row[m] of query [tokens, heads * head_size] and
+// writes that row of out (rows may be strided: vLLM's query is a view of the fused QKV). It is
+// of request r = node_request[m] (a row of block_table) with local index
 // j = node_index[m] and context length C = node_context[m] (root included) attends to the cache
 // positions 0..C-1 and to C + a for every ancestor-or-self a of j (bit a of its ancestor row).
 // The CPU kernel (tree_attention.cpp) and the CUDA kernel (tree_attention_cuda.cu) compute the
@@ -23,15 +25,20 @@ enum class KVLayoutCode : int {
 enum class AttentionDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct TreeAttentionArgs {
-  const void* query;            // [nodes, heads, head_size]
+  const void* query;            // [tokens, heads * head_size], rows query_stride apart
   const void* cache;            // [num_blocks, kv_heads, block_size, 2 * head_size]
-  void* out;                    // [nodes, heads, head_size]
+  void* out;                    // [out_tokens, heads * head_size], rows out_stride apart
+  const int64_t* node_row;      // [nodes] token row of each node in query and out
   const int32_t* block_table;   // [table_rows, table_width]
   const int32_t* node_request;  // [nodes] row of block_table
   const int32_t* node_context;  // [nodes] context tokens of the node's request (root included)
   const int32_t* node_index;    // [nodes] local index within its tree
   const uint64_t* ancestors;    // [nodes, words] bit a: local node a is an ancestor or itself
   int64_t num_nodes;
+  int64_t query_rows;
+  int64_t query_stride;
+  int64_t out_rows;
+  int64_t out_stride;
   int64_t num_blocks;
   int64_t table_rows;
   int table_width;

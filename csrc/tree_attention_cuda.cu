@@ -49,6 +49,8 @@ template <typename T>
 __global__ void tree_attention_kernel(TreeAttentionArgs a) {
   __shared__ SharedState sh;
   const int node = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
+  const int64_t row = a.node_row[node];
+  if (row < 0 || row >= a.query_rows || row >= a.out_rows) return;
   const int group = a.heads / a.kv_heads, hs = a.head_size, bs = a.block_size;
   const T* query = static_cast<const T*>(a.query);
   const T* cache = static_cast<const T*>(a.cache);
@@ -58,7 +60,7 @@ __global__ void tree_attention_kernel(TreeAttentionArgs a) {
   const long long value_t = vec ? hs : 2LL * hs;
   for (int i = tid; i < group * hs; i += kThreads) {
     const int h = i / hs, d = i % hs;
-    sh.q[h][d] = to_float(query[(static_cast<long long>(node) * a.heads + g * group + h) * hs + d]) * a.scale;
+    sh.q[h][d] = to_float(query[row * a.query_stride + (g * group + h) * hs + d]) * a.scale;
   }
   if (tid < group) {
     sh.max[tid] = -INFINITY;
@@ -131,7 +133,7 @@ __global__ void tree_attention_kernel(TreeAttentionArgs a) {
   T* out = static_cast<T*>(a.out);
   for (int p = 0, i = tid; i < group * hs; ++p, i += kThreads) {
     const int h = i / hs, d = i % hs;
-    out[(static_cast<long long>(node) * a.heads + g * group + h) * hs + d] =
+    out[row * a.out_stride + (g * group + h) * hs + d] =
         from_float<T>(sh.sum[h] > 0.0f ? acc[p] / sh.sum[h] : 0.0f);
   }
 }

@@ -144,8 +144,8 @@ def test_layout_check_accepts_its_own_layout_and_refuses_the_other(layout):
         check_layout(batch.cache, other, slots, keys.reshape(9, -1), values.reshape(9, -1))
 
 
-def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str):
-    """A random cache and random trees for the kernel: (kernel inputs, scale)."""
+def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str) -> dict:
+    """A random cache, random trees and a strided query for the kernel (its keyword arguments)."""
     group, kv_heads = int(rng.choice([1, 3, 4])), int(rng.integers(1, 3))
     head_size, block_size = int(rng.choice([8, 37, 64])), int(rng.choice([5, 16, 32]))
     requests = int(rng.integers(1, 5))
@@ -157,16 +157,22 @@ def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.d
     masks = pack_tree_masks(np.concatenate(parents), offsets, int(sizes.max()))
     num_blocks = requests * width + 3
     table = rng.permutation(num_blocks)[: requests * width].reshape(requests, width).astype(np.int32)
-    nodes = rng.permutation(int(offsets[-1]))[: int(rng.integers(1, offsets[-1] + 1))]
-    nodes.sort()
+    nodes = np.sort(rng.permutation(int(offsets[-1]))[: int(rng.integers(1, offsets[-1] + 1))])
     request = (np.searchsorted(offsets, nodes, side="right") - 1).astype(np.int32)
+    tokens = len(nodes) + 5
+    node_row = rng.permutation(tokens)[: len(nodes)].astype(np.int64)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
-    query = torch.randn(len(nodes), group * kv_heads, head_size, generator=gen).to(dtype)
-    arrays = (table, request, contexts[request].astype(np.int32), (nodes - offsets[request]).astype(np.int32),
-              np.ascontiguousarray(masks.ancestor_mask[nodes]))
-    inputs = [query, cache] + [torch.from_numpy(a) for a in arrays]
-    return [t.to(device) for t in inputs], head_size**-0.5
+    heads = group * kv_heads
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype)
+    arrays = {"node_row": node_row, "block_table": table, "node_request": request,
+              "node_context": contexts[request].astype(np.int32),
+              "node_index": (nodes - offsets[request]).astype(np.int32),
+              "ancestors": np.ascontiguousarray(masks.ancestor_mask[nodes])}
+    inputs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+    cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size, generator=gen)
+    inputs["kv_cache"] = cache.to(dtype).to(device)
+    inputs["query"] = fused.to(device)[:, : heads * head_size]  # a strided view, as vLLM's is
+    return {**inputs, "heads": heads, "scale": head_size**-0.5}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -176,26 +182,41 @@ def test_kernel_matches_reference_on_random_trees(layout, dtype, device):
     rng = np.random.default_rng(7)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for _ in range(25):
-        (query, cache, table, request, context, index, ancestors), scale = random_tree_batch(rng, layout, dtype, device)
-        got = tree_attention(query, cache, layout, table, request, context, index, ancestors, scale)
-        expected = tree_attention_reference(query.cpu(), cache.cpu(), layout, table.cpu(), request.cpu(),
-                                            context.cpu(), index.cpu(), ancestors.cpu(), scale)
-        torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=tolerance, atol=tolerance)
+        inputs = random_tree_batch(rng, layout, dtype, device)
+        query = inputs["query"]
+        out = torch.full((query.shape[0], query.shape[1]), 7.0, dtype=dtype, device=device)
+        tree_attention(layout=layout, out=out, **inputs)
+        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+        expected = tree_attention_reference(layout=layout, **host)
+        rows = host["node_row"]
+        got = out.cpu().float().view(len(out), inputs["heads"], -1)
+        torch.testing.assert_close(got[rows], expected.float(), rtol=tolerance, atol=tolerance)
+        untouched = torch.ones(len(out), dtype=torch.bool)
+        untouched[rows] = False
+        assert bool((got[untouched] == 7.0).all())
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_kernel_refuses_blocks_and_positions_outside_the_cache(layout):
-    (query, cache, table, request, context, index, ancestors), scale = random_tree_batch(
-        np.random.default_rng(3), layout, torch.float32, "cpu")
+    inputs = random_tree_batch(np.random.default_rng(3), layout, torch.float32, "cpu")
+    out = torch.zeros(inputs["query"].shape)
+    table, request, cache = inputs["block_table"], inputs["node_request"], inputs["kv_cache"]
+
+    def run(**changed) -> None:
+        tree_attention(layout=layout, out=out, **{**inputs, **changed})
+
     bad = table.clone()
     bad[int(request[0]), 0] = cache.shape[0]  # one block past the cache
     with pytest.raises(IndexError, match="outside the cache"):
-        tree_attention(query, cache, layout, bad, request, context, index, ancestors, scale)
+        run(block_table=bad)
     bad[int(request[0]), 0] = -1
     with pytest.raises(IndexError, match="outside the cache"):
-        tree_attention(query, cache, layout, bad, request, context, index, ancestors, scale)
-    long_context = torch.full_like(context, table.shape[1] * cache.shape[2])
+        run(block_table=bad)
     with pytest.raises(IndexError, match="past the block table"):
-        tree_attention(query, cache, layout, table, request, long_context, index, ancestors, scale)
+        run(node_context=torch.full_like(inputs["node_context"], table.shape[1] * cache.shape[2]))
     with pytest.raises(IndexError, match="out of range"):
-        tree_attention(query, cache, layout, table, request + table.shape[0], context, index, ancestors, scale)
+        run(node_request=request + table.shape[0])
+    with pytest.raises(IndexError, match="out of range"):
+        run(node_row=inputs["node_row"] + len(out))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        run(query=inputs["query"].t())

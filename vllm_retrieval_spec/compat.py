@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import tempfile
 
 SUPPORTED_VLLM_MINORS = ((0, 32), (0, 33))
 
@@ -14,6 +16,10 @@ CPU_ENVIRONMENT = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+PROMETHEUS_DIR_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+_prometheus_dir: tempfile.TemporaryDirectory | None = None
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -50,8 +56,24 @@ def require_supported_vllm() -> str:
 
 
 def configure_vllm_environment(in_process: bool = True) -> None:
-    """Set (without overriding) the environment vLLM needs here; call before importing vLLM."""
+    """Set (without overriding) the environment vLLM needs here, and for a server
+    (``in_process=False``) the metrics directory its processes share; call before importing vLLM."""
     for key, value in CPU_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        share_prometheus_metrics()
+
+
+def share_prometheus_metrics() -> None:
+    """Give the server's processes one fresh prometheus_client multiprocess directory (removed
+    at exit), so that metrics recorded in the engine core (ours) reach the API server's
+    ``/metrics``; vLLM does this itself only with ``--api-server-count`` > 1. A directory the
+    user set is kept. Must run before prometheus_client is imported (it chooses its storage
+    then); later it does nothing, so vLLM's own metrics are never cut off."""
+    global _prometheus_dir
+    if any(name in os.environ for name in PROMETHEUS_DIR_VARIABLES) or "prometheus_client" in sys.modules:
+        return
+    _prometheus_dir = tempfile.TemporaryDirectory(prefix="vllm-retrieval-spec-metrics-")
+    os.environ[PROMETHEUS_DIR_VARIABLES[0]] = _prometheus_dir.name

@@ -20,6 +20,25 @@ SOURCE_CONTEXT = 2
 SOURCE_MODEL = 4  # the model's own n-gram tables (N-Grammys' bigram)
 SOURCE_OUTPUT = 8  # the cross-request output index (REST)
 NUM_SOURCE_CODES = 16
+SOURCE_NAMES = ((SOURCE_DATASTORE, "datastore"), (SOURCE_CONTEXT, "context"), (SOURCE_MODEL, "model_ngram"),
+                (SOURCE_OUTPUT, "output_index"))
+
+
+def source_label(code: int) -> str:
+    """A node's ``SOURCE_*`` flags as one name: ``datastore+context``, ``none`` without flags."""
+    return "+".join(name for flag, name in SOURCE_NAMES if code & flag) or "none"
+
+
+SOURCE_LABELS = tuple(source_label(code) for code in range(NUM_SOURCE_CODES))
+
+
+def count_sources(counts: dict[str, int], sources: np.ndarray) -> None:
+    """Add one to ``counts[label]`` per node of ``sources`` (``SOURCE_*`` flags; one bincount,
+    no per-node Python)."""
+    per_code = np.bincount(np.asarray(sources, np.int64).ravel() % NUM_SOURCE_CODES, minlength=NUM_SOURCE_CODES)
+    for code in np.flatnonzero(per_code).tolist():
+        label = SOURCE_LABELS[code]
+        counts[label] = counts.get(label, 0) + int(per_code[code])
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 
 if TYPE_CHECKING:
-    from openai import OpenAI
+    from openai import AsyncOpenAI, OpenAI
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,13 @@ def openai_client(base_url: str) -> OpenAI:
     from openai import OpenAI
 
     return OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", timeout=600, max_retries=0)
+
+
+def async_openai_client(base_url: str, timeout_s: float = 600.0) -> AsyncOpenAI:
+    """The asynchronous client for the same server (no retries: a failure is a measurement)."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="not-needed", timeout=timeout_s, max_retries=0)
 
 
 def stream_completion(client: OpenAI, model: str, prompt: str, max_tokens: int) -> tuple[GenerationRecord, str]:

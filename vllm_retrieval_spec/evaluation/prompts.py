@@ -32,18 +32,21 @@ def humaneval_prompts(
 
     ``chat`` needs the tokenizer whose chat template the model was trained with.
     """
-    problems = humaneval_problems()[:count]
     if form == "raw":
-        return [problem["prompt"] for problem in problems]
+        return [problem["prompt"] for problem in humaneval_problems()[:count]]
     if form != "chat":
         raise ValueError(f"prompt form must be 'raw' or 'chat', got {form!r}")
     if tokenizer is None:
         raise ValueError("chat-wrapped prompts need the model's tokenizer")
     return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem['prompt']}```"}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for problem in problems
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for messages in humaneval_messages(count)
+    ]
+
+
+def humaneval_messages(count: int | None = None) -> list[list[dict[str, str]]]:
+    """The first ``count`` HumanEval problems as chat ``messages`` (what ``chat`` prompts wrap)."""
+    return [
+        [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem['prompt']}```"}]
+        for problem in humaneval_problems()[:count]
     ]

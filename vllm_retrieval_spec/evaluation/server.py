@@ -45,8 +45,10 @@ class VllmServer:
         max_model_len: int = 2048,
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
+        self.env = dict(env or {})  # on top of this process's environment
         self.served_model_name = served_model_name
         self.log_path = Path(log_path or f"/tmp/vllm-retrieval-spec-server-{self.port}.log")
         self.command = [
@@ -65,7 +67,7 @@ class VllmServer:
         return f"http://{LOOPBACK}:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> VllmServer:
-        env = {**CPU_ENVIRONMENT, **os.environ}
+        env = {**CPU_ENVIRONMENT, **os.environ, **self.env}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -108,10 +110,14 @@ class VllmServer:
         errors = [line for line in log if re.search(r"\w+(Error|Exception): ", line)]
         return "\n".join([*errors[:10], "--- log tail ---", *log[-lines:]])
 
+    def metrics_text(self) -> str:
+        """The server's ``/metrics`` page (Prometheus text format; ours and vLLM's)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            return response.read().decode()
+
     def spec_decode_counters(self) -> SpecDecodeCounters:
         """vLLM's counters from ``/metrics`` (zero when the server does not speculate)."""
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
-            text = response.read().decode()
+        text = self.metrics_text()
 
         def total(name: str) -> int:
             pattern = rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import DraftNodes
+from vllm_retrieval_spec.drafts import DraftNodes, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration, node_depths, path_products
 from vllm_retrieval_spec.goodput.chooser import choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
@@ -41,13 +41,16 @@ SEARCH_TIME_SMOOTHING = 0.1
 class BudgetStats:
     """Counters of one runner's budget (for tests, benchmarks and operators)."""
 
-    steps: int = 0
-    drafted_steps: int = 0  # steps that kept at least one node
+    steps: int = 0  # steps that chose among candidates
+    drafted_steps: int = 0  # of which kept at least one node
+    skipped_steps: int = 0  # steps where every row's search was skipped
     candidate_nodes: int = 0
     chosen_nodes: int = 0
     skipped_rows: int = 0  # rows whose search was skipped
     observed_nodes: int = 0
     accepted_nodes: int = 0
+    observed_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
 
 class RequestFactors:
@@ -106,6 +109,7 @@ class PendingNodes:
     bucket: np.ndarray
     chance: np.ndarray
     keep: np.ndarray
+    source: np.ndarray
 
 
 @dataclass
@@ -139,6 +143,9 @@ class GoodputBudget:
         self.factors.record(slots, np.where(observed, chance, 0.0).sum(axis=1), accepted.sum(axis=1))
         self.stats.observed_nodes += int(observed.sum())
         self.stats.accepted_nodes += int(accepted.sum())
+        source = pending.source[present]
+        count_sources(self.stats.observed_by_source, source[observed])
+        count_sources(self.stats.accepted_by_source, source[accepted])
 
     def worth_searching(self, req_ids: Sequence[str], num_reqs: int) -> np.ndarray:
         """Rows whose best possible first node could pay: its optimistic chance (the best
@@ -153,6 +160,7 @@ class GoodputBudget:
         factor = self.factors.factor(self.factors.slots_of(req_ids))
         worth = np.minimum(self.calibration.best_first_chance() * factor, MAX_CHANCE) >= threshold
         self.stats.skipped_rows += int((~worth).sum())
+        self.stats.skipped_steps += not worth.any()
         return worth
 
     def choose(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
@@ -181,7 +189,7 @@ class GoodputBudget:
             self.log_summary()
         if kept:
             self._pending = PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance,
-                                         choice.keep)
+                                         choice.keep, nodes.source)
         return choice.keep
 
     def log_summary(self) -> None:

@@ -21,6 +21,7 @@ import torch
 from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
+from vllm_retrieval_spec.integration.metrics import attach_metrics
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
@@ -52,6 +53,7 @@ def apply_patches() -> None:
         return
     if current_platform.is_cpu():  # vLLM runs C++ fallbacks of its Triton kernels there
         _tolerate_modules_without_dict_in_kernel_rebinding()
+        _skip_sampling_constraints_without_drafts()
         if version_minor(version) in CPU_EXPAND_BUG_MINORS:
             _fix_cpu_chain_sampling()
     _patch_constructors()
@@ -78,6 +80,23 @@ def _tolerate_modules_without_dict_in_kernel_rebinding() -> None:
 
     dispatcher.vars = safe_vars
     setattr(dispatcher, _PATCHED_FLAG, True)
+
+
+def _skip_sampling_constraints_without_drafts() -> None:
+    """Once speculation is configured vLLM runs the rejection sampler at every step, also when
+    no request of the batch has drafts (every prefill step); its top-k-only path on the CPU
+    platform then calls ``k.max()`` on an empty tensor, so any request with ``top_k`` (and no
+    ``top_p``) at temperature > 0 killed the engine, with every speculative method. Without
+    draft rows there is nothing to constrain."""
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    def make(original: Callable) -> Callable:
+        def apply_sampling_constraints(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            return logits if logits.shape[0] == 0 else original(logits, *args, **kwargs)
+
+        return apply_sampling_constraints
+
+    _wrap(rejection_sampler, "apply_sampling_constraints", make)
 
 
 # vLLM minors whose CPU build expands per-request sampling parameters wrongly (below).
@@ -175,7 +194,8 @@ def _runner_init(original: Callable) -> Callable:
 
 
 def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
-    """Create the runner's :class:`SpecSession`, hand it to the drafter and hook the runner."""
+    """Create the runner's :class:`SpecSession` (with its metrics), hand it to the drafter and
+    hook the runner."""
     options = drafter.options
     budget = None
     if options.budget == "auto":
@@ -184,6 +204,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index)
     drafter.bind_session(session)
+    attach_metrics(runner, drafter, session)
     runner.vrs_session = session
 
     def release_finished(original: Callable) -> Callable:

@@ -51,23 +51,22 @@ def kv_views(kv_cache: torch.Tensor, head_size: int, layout: KVLayout) -> tuple[
 
 
 def tree_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, block_table: torch.Tensor,
-    node_request: torch.Tensor, node_context: torch.Tensor, node_index: torch.Tensor,
-    ancestors: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, num_threads: int = 0,
-) -> torch.Tensor:
-    """Attention of the draft nodes' queries ``[nodes, heads, head_size]`` over their paged
-    context and ancestors (module docstring); returns ``out`` (allocated when not given).
+    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, node_row: torch.Tensor,
+    block_table: torch.Tensor, node_request: torch.Tensor, node_context: torch.Tensor,
+    node_index: torch.Tensor, ancestors: torch.Tensor, heads: int, scale: float, out: torch.Tensor,
+    *, num_threads: int = 0,
+) -> None:
+    """Overwrite rows ``node_row`` of ``out`` with the attention of those rows' queries over
+    their paged context and ancestors (module docstring).
 
-    ``block_table`` ``[rows, width]``, ``node_*`` ``[nodes]`` int32, ``ancestors``
-    ``[nodes, words]`` uint64 (``kernels.tree.pack_tree_masks``' rows), all on the cache's
-    device and contiguous.
+    ``query`` and ``out`` ``[tokens, heads * head_size]`` (rows may be strided), ``node_row``
+    ``[nodes]`` int64, ``block_table`` ``[rows, width]``, ``node_*`` ``[nodes]`` int32,
+    ``ancestors`` ``[nodes, words]`` uint64 (``kernels.tree.pack_tree_masks``' rows), all on
+    the cache's device, the index arrays contiguous.
     """
-    out = torch.empty_like(query) if out is None else out
-    ext = load_extension()
-    args = (query.contiguous(), kv_cache, out, block_table, node_request, node_context, node_index,
-            ancestors, layout.code, float(scale))
+    args = (query, kv_cache, out, node_row, block_table, node_request, node_context, node_index, ancestors,
+            heads, layout.code, scale)
     if is_cuda_tensor(kv_cache):
-        ext.tree_attention(*args, cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream)
+        load_extension().tree_attention(*args, cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream)
     else:
-        ext.tree_attention(*args, num_threads)
-    return out
+        load_extension().tree_attention(*args, num_threads)

@@ -17,22 +17,23 @@ def node_positions(context: int, index: int, ancestor_row: torch.Tensor) -> list
 
 
 def tree_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, block_table: torch.Tensor,
-    node_request: torch.Tensor, node_context: torch.Tensor, node_index: torch.Tensor,
-    ancestors: torch.Tensor, scale: float,
+    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, node_row: torch.Tensor,
+    block_table: torch.Tensor, node_request: torch.Tensor, node_context: torch.Tensor,
+    node_index: torch.Tensor, ancestors: torch.Tensor, heads: int, scale: float,
 ) -> torch.Tensor:
-    """What :func:`~vllm_retrieval_spec.kernels.attention.tree_attention` computes, node by node."""
-    heads, head_size = query.shape[1], query.shape[2]
+    """What :func:`~vllm_retrieval_spec.kernels.attention.tree_attention` writes into rows
+    ``node_row`` of its output, node by node, as ``[nodes, heads, head_size]``."""
+    kv_heads, block_size, head_size = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2
     keys, values = kv_views(kv_cache, head_size, layout)
-    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[1]
-    out = torch.empty_like(query)
-    for m in range(query.shape[0]):
+    queries = query.reshape(query.shape[0], heads, head_size)[node_row]
+    out = torch.empty_like(queries)
+    for m in range(len(node_row)):
         positions = torch.tensor(node_positions(int(node_context[m]), int(node_index[m]), ancestors[m].cpu()))
         table = block_table[int(node_request[m])].cpu().long()
         blocks, offsets = table[positions // block_size], positions % block_size
         k = keys[blocks, :, offsets].double()  # [keys, kv_heads, head_size]
         v = values[blocks, :, offsets].double()
         kv_head = torch.arange(heads) // (heads // kv_heads)
-        weights = torch.einsum("hd,nhd->hn", query[m].double(), k[:, kv_head]) * scale
+        weights = torch.einsum("hd,nhd->hn", queries[m].double(), k[:, kv_head]) * scale
         out[m] = torch.einsum("hn,nhd->hd", weights.softmax(-1), v[:, kv_head]).to(out.dtype)
     return out

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from vllm_retrieval_spec.compat import require_supported_vllm
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.drafts import Drafts, DraftTree
+from vllm_retrieval_spec.drafts import Drafts, DraftTree, count_sources
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 
@@ -75,12 +75,14 @@ class DraftBatch:
 @dataclass
 class ChosenDrafts:
     """What one step sends to vLLM: per drafted row its tokens (``[rows, N]``, the first
-    ``sizes[i]`` are sent) and, in tree mode, their parents."""
+    ``sizes[i]`` are sent) and, in tree mode, their parents; ``sources``: the ``SOURCE_*``
+    flags of every token sent."""
 
     rows: np.ndarray
     tokens: np.ndarray
     parents: np.ndarray | None
     sizes: np.ndarray
+    sources: np.ndarray
 
 
 @dataclass
@@ -91,6 +93,7 @@ class ProposerStats:
     rows: int = 0
     drafted_rows: int = 0
     draft_tokens: int = 0
+    draft_tokens_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
     failures: int = 0
     last_error: str | None = field(default=None, repr=False)
 
@@ -145,6 +148,7 @@ class DraftProposer(abc.ABC):
             drafts[row] = row_tokens[:size]
         self.stats.drafted_rows += int(np.count_nonzero(chosen.sizes))
         self.stats.draft_tokens += int(chosen.sizes.sum())
+        count_sources(self.stats.draft_tokens_by_source, chosen.sources)
         if chosen.parents is not None:
             self._publish_trees(drafts, rows, chosen.parents.tolist(), sizes)
         return drafts
@@ -167,16 +171,15 @@ class DraftProposer(abc.ABC):
             return None
         found = self.draft(batch)
         trees = batch.trees and found.tree_tokens is not None  # some drafters only draft chains
-        if budget is None:
-            if trees:
-                return ChosenDrafts(batch.rows, found.tree_tokens, found.tree_parents,
-                                    np.minimum(found.tree_size, batch.budgets))
-            return ChosenDrafts(batch.rows, found.chain_tokens, None, np.minimum(found.chain_size, batch.budgets))
         nodes = found.nodes(trees)
+        if budget is None:
+            sizes = np.minimum(nodes.size, batch.budgets)
+            sent = nodes.source[np.arange(nodes.width)[None, :] < sizes[:, None]]
+            return ChosenDrafts(batch.rows, nodes.tokens, nodes.parents if trees else None, sizes, sent)
         keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
                              len(sampled_token_ids), time.perf_counter() - start, trees=trees)
         tokens, parents, sizes = nodes.kept(keep)
-        return ChosenDrafts(batch.rows, tokens, parents if trees else None, sizes)
+        return ChosenDrafts(batch.rows, tokens, parents if trees else None, sizes, nodes.source[keep])
 
     def _publish_trees(self, drafts: list[list[int]], rows: list[int], parents: list[list[int]],
                        sizes: list[int]) -> None:

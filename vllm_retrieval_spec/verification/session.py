@@ -15,7 +15,9 @@ drafter, and owns everything that lives between drafting and verification:
   (depth positions, flat indices, KV slots), the tree-attention fix-up, the plan the tree
   sampler walks and the KV compaction of the accepted paths;
 - its counters and its one-time check of the attention KV layout (per runner, so a second
-  engine in the same process checks its own).
+  engine in the same process checks its own);
+- the runner's Prometheus metrics (``integration/metrics.py``), published once per step
+  after drafting.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -52,6 +54,13 @@ class TreeVerificationStats:
     compacted_slots: int = 0  # K/V slots moved after acceptance
 
 
+class StepMetrics(Protocol):
+    """Where a session publishes its runner's counters (``integration.metrics.RunnerMetrics``)."""
+
+    def publish(self, draft_seconds: float) -> None:
+        """One step drafted in ``draft_seconds``: publish the counters' growth."""
+
+
 @dataclass
 class RequestState:
     """What the session keeps for one running request."""
@@ -68,6 +77,7 @@ class SpecSession:
     head_size: int = 0
     budget: GoodputBudget | None = None
     output_index: OutputIndex | None = None
+    metrics: StepMetrics | None = None
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
     step_req_ids: list[str] = field(default_factory=list)
@@ -98,8 +108,11 @@ class SpecSession:
 
     def end_step(self) -> None:
         """``propose`` returned: its time is drafting, not the target's."""
-        if self._step_started is not None:
-            self._draft_seconds = time.perf_counter() - self._step_started
+        if self._step_started is None:
+            return
+        self._draft_seconds = time.perf_counter() - self._step_started
+        if self.metrics is not None:
+            self.metrics.publish(self._draft_seconds)
 
     def publish(self, trees: Mapping[int, DraftTree]) -> None:
         """This step's trees by input-batch row (tree mode); older ones are never verified."""

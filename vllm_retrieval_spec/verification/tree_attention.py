@@ -93,11 +93,10 @@ def apply_tree_attention(impl: object, query: torch.Tensor, kv_cache: torch.Tens
                          output: torch.Tensor, nodes: TreeNodes) -> None:
     """Overwrite the draft rows of branching trees in ``output`` with tree attention (their keys
     and values are already in ``kv_cache``)."""
-    heads, head_size = impl.num_heads, impl.head_size
-    q = query.reshape(-1, heads, head_size)[nodes.rows]
-    out = tree_attention(q, kv_cache, layout, nodes.block_table, nodes.request, nodes.context, nodes.index,
-                         nodes.ancestors, impl.scale)
-    output.view(output.shape[0], heads, head_size)[nodes.rows] = out.to(output.dtype)
+    rows = query.shape[0]
+    tree_attention(query.reshape(rows, -1), kv_cache, layout, nodes.rows, nodes.block_table, nodes.request,
+                   nodes.context, nodes.index, nodes.ancestors, impl.num_heads, impl.scale,
+                   output.view(output.shape[0], -1))
 
 
 def require_plain_attention(impl: object) -> None:

@@ -1,0 +1,373 @@
+"""Load generation against OpenAI-compatible servers (ours, vLLM without speculation, vLLM
+``suffix``, ...): request sets, an asynchronous runner with fixed concurrency or Poisson
+arrivals, per-request timings, percentiles, run summaries and the comparison of greedy outputs
+with a reference server's."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm_retrieval_spec.evaluation.client import async_openai_client, openai_client
+from vllm_retrieval_spec.evaluation.prompts import PromptForm, humaneval_messages, humaneval_prompts
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+    from transformers import PreTrainedTokenizerBase
+
+PERCENTILES = (50, 90, 99)
+# Common English words, one token each for the usual BPE vocabularies (with the leading space).
+SYNTHETIC_WORDS = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "they", "you", "were", "her", "she", "there", "been", "one", "all", "we", "their", "has",
+    "would", "when", "if", "so", "no", "will", "more", "can", "out", "up", "said", "about", "what",
+    "its", "into", "than", "them", "only", "other", "new", "some", "could", "time", "these", "two",
+    "may", "first", "then",
+)
+
+
+# --- Requests ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One request: a completion ``prompt`` (text or token ids) or chat ``messages``."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = 128
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a request needs either a prompt or chat messages")
+
+
+def _cycle(items: Sequence[LoadRequest], count: int | None) -> list[LoadRequest]:
+    """``count`` requests taken from ``items`` in order, starting over when they run out."""
+    if not items:
+        raise ValueError("no requests to send")
+    return list(itertools.islice(itertools.cycle(items), count if count is not None else len(items)))
+
+
+def humaneval_requests(
+    count: int | None, form: PromptForm, max_tokens: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[LoadRequest]:
+    """HumanEval requests (cycling over the 164 problems): raw completion prompts, or chat prompts
+    rendered with ``tokenizer``'s template, or without a tokenizer chat ``messages`` that the
+    server renders."""
+    if form == "chat" and tokenizer is None:
+        items = [LoadRequest(messages=messages, max_tokens=max_tokens) for messages in humaneval_messages()]
+    else:
+        prompts = humaneval_prompts(None, form, tokenizer)
+        items = [LoadRequest(prompt=prompt, max_tokens=max_tokens) for prompt in prompts]
+    return _cycle(items, count)
+
+
+def jsonl_requests(path: str | Path, count: int | None, max_tokens: int) -> list[LoadRequest]:
+    """Requests from a JSONL file of records with chat ``messages`` or a ``prompt`` (a record's own
+    ``max_tokens`` wins over ``max_tokens``), cycled up to ``count``."""
+    items = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "messages" not in record and "prompt" not in record:
+            raise ValueError(f"{path}:{number}: a record needs 'messages' or 'prompt'")
+        items.append(LoadRequest(prompt=record.get("prompt"), messages=record.get("messages"),
+                                 max_tokens=int(record.get("max_tokens", max_tokens))))
+    return _cycle(items, count)
+
+
+def synthetic_requests(
+    count: int, input_len: int, output_len: int, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[LoadRequest]:
+    """``count`` prompts of ``input_len`` random common words (about one token each; exactly
+    ``input_len`` token ids with ``tokenizer``), each generating exactly ``output_len`` tokens
+    (``ignore_eos``)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        text = " ".join(rng.choices(SYNTHETIC_WORDS, k=input_len))
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"][:input_len] if tokenizer else text
+        requests.append(LoadRequest(prompt=prompt, max_tokens=output_len, ignore_eos=True))
+    return requests
+
+
+# --- Running ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a run sends its requests."""
+
+    model: str
+    concurrency: int = 1
+    request_rate: float = math.inf  # requests per second, Poisson arrivals; inf: all at once
+    stream: bool = True
+    temperature: float = 0.0
+    token_ids: bool = True  # ask vLLM for the token ids (``return_token_ids``)
+    seed: int = 0  # of the arrival times
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What one request got back; times in seconds from its sending."""
+
+    index: int
+    error: str | None = None  # the kind of failure; None when it succeeded
+    ttft: float | None = None  # streaming only
+    latency: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    token_ids: list[int] | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (streaming only)."""
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """One run's settings, its results in request order and its wall time."""
+
+    settings: LoadSettings
+    results: list[RequestResult]
+    seconds: float
+
+
+def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
+    """When each request may be sent (seconds from the start): Poisson arrivals at ``rate`` per
+    second, or all at once when the rate is infinite."""
+    if math.isinf(rate):
+        return [0.0] * count
+    if rate <= 0:
+        raise ValueError(f"the request rate must be positive, got {rate}")
+    rng = random.Random(seed)
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(count)))
+
+
+def error_kind(error: BaseException) -> str:
+    """A short name for a failure: ``HTTP 400``, ``timeout``, ``connection`` or the exception's type."""
+    import openai
+
+    if isinstance(error, openai.APIStatusError):
+        return f"HTTP {error.status_code}"
+    if isinstance(error, openai.APITimeoutError):
+        return "timeout"
+    if isinstance(error, openai.APIConnectionError):
+        return "connection"
+    return type(error).__name__
+
+
+def _create_arguments(request: LoadRequest, settings: LoadSettings) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if settings.token_ids:
+        extra["return_token_ids"] = True
+    if request.ignore_eos:
+        extra["ignore_eos"] = True
+    arguments: dict[str, Any] = {
+        "model": settings.model, "max_tokens": request.max_tokens, "temperature": settings.temperature,
+        "stream": settings.stream, "extra_body": extra,
+    }
+    if settings.stream:
+        arguments["stream_options"] = {"include_usage": True}
+    if request.messages is not None:
+        arguments["messages"] = request.messages
+    else:
+        arguments["prompt"] = request.prompt
+    return arguments
+
+
+def _choice_text(choice: Any) -> str:
+    """The text of a completion choice, a chat choice or a streamed chat delta."""
+    if hasattr(choice, "text"):
+        return choice.text or ""
+    message = getattr(choice, "delta", None) or getattr(choice, "message", None)
+    return (message.content if message is not None else None) or ""
+
+
+def _result(index: int, ttft: float | None, latency: float, ids: list[int], text: str,
+            usage: Any, pieces: int) -> RequestResult:
+    """Output tokens from the usage, else the token ids, else the pieces of text received."""
+    output_tokens = usage.completion_tokens if usage is not None else (len(ids) or pieces)
+    return RequestResult(index, ttft=ttft, latency=latency, output_tokens=output_tokens,
+                         prompt_tokens=usage.prompt_tokens if usage is not None else None,
+                         token_ids=ids or None, text=text)
+
+
+async def _send_streamed(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings,
+                         sent: float) -> RequestResult:
+    endpoint: Any = client.chat.completions if request.messages is not None else client.completions
+    stream = await endpoint.create(**_create_arguments(request, settings))
+    ttft, ids, text, pieces, usage = None, [], [], 0, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            piece, new_ids = _choice_text(choice), (choice.model_extra or {}).get("token_ids") or []
+            if piece or new_ids:
+                ttft = time.perf_counter() - sent if ttft is None else ttft
+                pieces += 1
+            ids.extend(new_ids)
+            text.append(piece)
+    return _result(index, ttft, time.perf_counter() - sent, ids, "".join(text), usage, pieces)
+
+
+async def _send_whole(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings,
+                      sent: float) -> RequestResult:
+    endpoint: Any = client.chat.completions if request.messages is not None else client.completions
+    response = await endpoint.create(**_create_arguments(request, settings))
+    choice = response.choices[0]
+    ids = list((choice.model_extra or {}).get("token_ids") or [])
+    text = _choice_text(choice)
+    return _result(index, None, time.perf_counter() - sent, ids, text, response.usage, int(bool(text)))
+
+
+async def send_request(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings) -> RequestResult:
+    """Send one request; a failure becomes a result with its kind, never an exception."""
+    sent = time.perf_counter()
+    send = _send_streamed if settings.stream else _send_whole
+    try:
+        return await send(client, index, request, settings, sent)
+    except Exception as error:
+        return RequestResult(index, error=error_kind(error), latency=time.perf_counter() - sent)
+
+
+async def run_load(base_url: str, requests: Sequence[LoadRequest], settings: LoadSettings,
+                   label: str = "", progress: bool = True) -> LoadRun:
+    """Send every request, at most ``settings.concurrency`` in flight, each no earlier than its
+    arrival time; a tqdm bar counts finished requests."""
+    from tqdm.auto import tqdm
+
+    client = async_openai_client(base_url, settings.timeout_s)
+    gate = asyncio.Semaphore(settings.concurrency)
+    bar = tqdm(total=len(requests), desc=label or base_url, unit="req", disable=not progress)
+    start = time.perf_counter()
+
+    async def one(index: int, request: LoadRequest, arrival: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+        async with gate:
+            result = await send_request(client, index, request, settings)
+        bar.update()
+        return result
+
+    arrivals = arrival_times(len(requests), settings.request_rate, settings.seed)
+    try:
+        results = await asyncio.gather(*(one(i, r, t) for i, (r, t) in enumerate(zip(requests, arrivals))))
+    finally:
+        bar.close()
+        await client.close()
+    return LoadRun(settings, list(results), time.perf_counter() - start)
+
+
+def run_load_sync(base_url: str, requests: Sequence[LoadRequest], settings: LoadSettings,
+                  label: str = "", progress: bool = True) -> LoadRun:
+    """:func:`run_load` in a fresh event loop."""
+    return asyncio.run(run_load(base_url, requests, settings, label, progress))
+
+
+def served_model(base_url: str) -> str:
+    """The first model the server lists (``/v1/models``)."""
+    return openai_client(base_url).models.list().data[0].id
+
+
+# --- Reports ----------------------------------------------------------------------------------
+
+
+def percentiles(values: Sequence[float], points: Sequence[int] = PERCENTILES) -> dict[str, float | None]:
+    """``{"p50": ..., "p90": ..., "p99": ...}`` with linear interpolation; None without values."""
+    if not values:
+        return {f"p{p}": None for p in points}
+    found = np.percentile(np.asarray(values, dtype=float), list(points))
+    return {f"p{p}": float(v) for p, v in zip(points, found)}
+
+
+def summarize_run(run: LoadRun) -> dict[str, Any]:
+    """Throughput, errors by kind, and TTFT, TPOT and latency percentiles (seconds) of one run."""
+    ok = [r for r in run.results if r.ok]
+    output = sum(r.output_tokens for r in ok)
+    rate = run.settings.request_rate
+    return {
+        "concurrency": run.settings.concurrency,
+        "request_rate": None if math.isinf(rate) else rate,
+        "stream": run.settings.stream,
+        "requests": len(run.results),
+        "completed": len(ok),
+        "errors": dict(Counter(r.error for r in run.results if r.error is not None)),
+        "seconds": run.seconds,
+        "output_tokens": output,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "output_tokens_per_second": output / run.seconds if run.seconds > 0 else None,
+        "requests_per_second": len(ok) / run.seconds if run.seconds > 0 else None,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": percentiles([t for t in (r.tpot for r in ok) if t is not None]),
+        "latency_s": percentiles([r.latency for r in ok]),
+    }
+
+
+def same_output(a: RequestResult, b: RequestResult) -> bool:
+    """Token ids when both results have them, else text."""
+    if a.token_ids is not None and b.token_ids is not None:
+        return a.token_ids == b.token_ids
+    return a.text == b.text
+
+
+def count_differences(results: Sequence[RequestResult], reference: Sequence[RequestResult]) -> dict[str, Any]:
+    """How many requests that succeeded in both runs got outputs other than the reference's."""
+    by_index = {r.index: r for r in reference if r.ok}
+    pairs = [(r, by_index[r.index]) for r in results if r.ok and r.index in by_index]
+    differing = [r.index for r, ref in pairs if not same_output(r, ref)]
+    by_ids = sum(r.token_ids is not None and ref.token_ids is not None for r, ref in pairs)
+    return {"compared": len(pairs), "compared_by_token_ids": by_ids, "differing": len(differing),
+            "differing_requests": differing[:32]}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per run (a summary with ``server`` and optionally ``compare``): TTFT and TPOT in
+    ms, latency in s, p50/p90/p99."""
+    header = (f"{'server':18s} {'conc':>5s} {'rate':>6s} {'ok':>5s} {'errors':>8s} {'tok/s':>8s} {'req/s':>6s} "
+              f"{'TTFT p50/p99 ms':>16s} {'TPOT p50/p90/p99 ms':>20s} {'E2E p50/p90/p99 s':>19s} {'differ':>7s}")
+    lines = [header]
+    for row in rows:
+        ttft, tpot, e2e = row["ttft_s"], row["tpot_s"], row["latency_s"]
+        rate = "inf" if row["request_rate"] is None else f"{row['request_rate']:g}"
+        errors = sum(row["errors"].values())
+        tokens = row["output_tokens_per_second"]
+        requests = row["requests_per_second"]
+        latency = "/".join("-" if e2e[k] is None else f"{e2e[k]:.2f}" for k in ("p50", "p90", "p99"))
+        differ = f"{row['compare']['differing']}/{row['compare']['compared']}" if "compare" in row else "-"
+        lines.append(
+            f"{row['server'][:18]:18s} {row['concurrency']:5d} {rate:>6s} {row['completed']:5d} {errors:8d} "
+            f"{'-' if tokens is None else f'{tokens:.1f}':>8s} {'-' if requests is None else f'{requests:.2f}':>6s} "
+            f"{_ms(ttft['p50']) + '/' + _ms(ttft['p99']):>16s} "
+            f"{'/'.join(_ms(tpot[k]) for k in ('p50', 'p90', 'p99')):>20s} {latency:>19s} {differ:>7s}"
+        )
+    lines += [f"errors, {row['server']} at concurrency {row['concurrency']}: "
+              + ", ".join(f"{kind} ×{count}" for kind, count in row["errors"].items())
+              for row in rows if row["errors"]]
+    return "\n".join(lines)
