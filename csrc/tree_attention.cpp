@@ -50,24 +50,6 @@ VRS_INLINE void store(BFloat16* dst, float value) {  // round to nearest even, N
                                 : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// exp(x) for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); vectorizable.
-VRS_INLINE float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t exponent = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &exponent, sizeof(scale));
-  return y * scale;
-}
-
 // kChunk floats as one GCC vector (one AVX-512 register, two AVX2 ones, four SSE ones).
 typedef float VFloat __attribute__((vector_size(kChunk * sizeof(float))));
 typedef int32_t VInt __attribute__((vector_size(kChunk * sizeof(int32_t))));
@@ -92,7 +74,8 @@ VRS_INLINE void store_chunk(float* p, VFloat v) { std::memcpy(p, &v, sizeof(v));
 
 VRS_INLINE VFloat splat(float x) { return VFloat{} + x; }
 
-// exp_nonpositive on a chunk (round to nearest by the 1.5 * 2^23 trick).
+// exp(x) for x <= 0 on a chunk: Cephes' single-precision polynomial (within 2 ulp), rounded
+// to nearest by the 1.5 * 2^23 trick.
 VRS_INLINE VFloat exp_nonpositive(VFloat x) {
   x = x < -87.0f ? splat(-87.0f) : x;
   const VFloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -109,6 +92,8 @@ VRS_INLINE VFloat exp_nonpositive(VFloat x) {
   std::memcpy(&scale, &exponent, sizeof(scale));
   return y * scale;
 }
+
+VRS_INLINE float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
 // Where a layer's keys and values are: key (t, d) at key[t * key_t + d * key_d], value (t, d)
 // at value[t * value_t + d], t counted from the start of a block.
