@@ -162,7 +162,8 @@ void check_rest_params(const vrs::RestParams& prm) {
                                 std::to_string(vrs::kMaxContextMatches) + "]");
   if (prm.output_max_matches < 0)
     throw std::invalid_argument("need output_max_matches >= 0");
-  if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0) || !(prm.output_weight >= 0))
+  if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0) || !(prm.output_weight >= 0) ||
+      !(prm.dense_weight >= 0))
     throw std::invalid_argument("weights must be >= 0");
 }
 
@@ -229,9 +230,42 @@ struct RestArrays {
   }
 };
 
+using DenseTokens = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
+
+// The given dense continuations of every requested row ([rows, k, len] tokens, [rows, k]
+// lengths in [0, len]), checked; none when absent.
+struct DenseInput {
+  const int32_t* tokens = nullptr;
+  const int32_t* lengths = nullptr;
+  int k = 0;
+  int len = 0;
+
+  DenseInput(const std::optional<DenseTokens>& dense_tokens,
+             const std::optional<TokenMatrix<Cpu>>& dense_lengths, size_t num_rows) {
+    if (!dense_tokens && !dense_lengths) return;
+    if (!dense_tokens || !dense_lengths || dense_tokens->shape(0) != num_rows ||
+        dense_lengths->shape(0) != num_rows || dense_lengths->shape(1) != dense_tokens->shape(1))
+      throw std::invalid_argument("dense_tokens [rows, k, len] and dense_lengths [rows, k] go together, "
+                                  "one row per requested row");
+    k = static_cast<int>(dense_tokens->shape(1));
+    len = static_cast<int>(dense_tokens->shape(2));
+    tokens = dense_tokens->data();
+    lengths = dense_lengths->data();
+    for (size_t i = 0; i < num_rows * k; ++i)
+      if (lengths[i] < 0 || lengths[i] > len)
+        throw std::invalid_argument("dense_lengths must lie in [0, len]");
+  }
+
+  // Row r's candidates, or nullptr.
+  std::optional<vrs::DenseCandidates> row(int64_t r) const {
+    if (tokens == nullptr) return std::nullopt;
+    return vrs::DenseCandidates{tokens + r * k * len, lengths + r * k, k, len};
+  }
+};
+
 template <typename Tok, typename Idx>
 void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* output,
-              const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
+              const DenseInput& dense, const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
               const ConstVector<Cpu>& rows, const vrs::RestParams& prm, RestArrays& out,
               int num_threads) {
   const int64_t row_len = static_cast<int64_t>(tokens.shape(1));
@@ -243,23 +277,25 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* o
   vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
-    vrs::rest_retrieve_one(index, output, token_data + row * row_len, length_data[row], prm, trie,
-                           out.row(r, prm));
+    const std::optional<vrs::DenseCandidates> candidates = dense.row(r);
+    vrs::rest_retrieve_one(index, output, candidates ? &*candidates : nullptr,
+                           token_data + row * row_len, length_data[row], prm, trie, out.row(r, prm));
   });
 }
 
 // run_rest on the store's index type (or on none: context only).
 template <typename Tok>
 void dispatch_suffix_array(const SuffixStore& store, const vrs::OutputIndex* output,
-                           const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
+                           const DenseInput& dense, const TokenMatrix<Cpu>& tokens,
+                           const ConstVector<Cpu>& lengths,
                            const ConstVector<Cpu>& rows, const vrs::RestParams& prm,
                            RestArrays& out, int num_threads) {
   if (store.suffix_array.dtype() == nb::dtype<int32_t>()) {
     const auto index = store.index<Tok, int32_t>();
-    run_rest(&index, output, tokens, lengths, rows, prm, out, num_threads);
+    run_rest(&index, output, dense, tokens, lengths, rows, prm, out, num_threads);
   } else {
     const auto index = store.index<Tok, int64_t>();
-    run_rest(&index, output, tokens, lengths, rows, prm, out, num_threads);
+    run_rest(&index, output, dense, tokens, lengths, rows, prm, out, num_threads);
   }
 }
 
@@ -274,18 +310,20 @@ std::optional<vrs::OutputIndex> output_index_of(const SuffixStore* output) {
 
 nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows,
-                       const vrs::RestParams& prm, bool profile, int num_threads) {
+                       const vrs::RestParams& prm, std::optional<DenseTokens> dense_tokens,
+                       std::optional<TokenMatrix<Cpu>> dense_lengths, bool profile, int num_threads) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
+  const DenseInput dense(dense_tokens, dense_lengths, rows.shape(0));
   RestArrays out(rows.shape(0), prm, profile);
   const std::optional<vrs::OutputIndex> output_index = output_index_of(output);
   const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
   if (store == nullptr || !prm.use_datastore) {
-    run_rest<uint16_t, int32_t>(nullptr, out_index, tokens, lengths, rows, prm, out, num_threads);
+    run_rest<uint16_t, int32_t>(nullptr, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
   } else if (store->tokens.dtype() == nb::dtype<uint16_t>()) {
-    dispatch_suffix_array<uint16_t>(*store, out_index, tokens, lengths, rows, prm, out, num_threads);
+    dispatch_suffix_array<uint16_t>(*store, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    dispatch_suffix_array<uint32_t>(*store, out_index, tokens, lengths, rows, prm, out, num_threads);
+    dispatch_suffix_array<uint32_t>(*store, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
   }
   return out.as_dict();
 }
@@ -307,7 +345,8 @@ void bind_rest(nb::module_& m) {
       .def_rw("context_weight", &vrs::RestParams::context_weight)
       .def_rw("context_max_matches", &vrs::RestParams::context_max_matches)
       .def_rw("output_weight", &vrs::RestParams::output_weight)
-      .def_rw("output_max_matches", &vrs::RestParams::output_max_matches);
+      .def_rw("output_max_matches", &vrs::RestParams::output_max_matches)
+      .def_rw("dense_weight", &vrs::RestParams::dense_weight);
   nb::class_<SuffixStore>(m, "SuffixStore",
                           "A datastore's token array, suffix array and optional first-token "
                           "offsets, as REST reads them (checked once, kept alive).")
@@ -315,7 +354,8 @@ void bind_rest(nb::module_& m) {
            nb::arg("tokens"), nb::arg("suffix_array"), nb::arg("separator"),
            nb::arg("first_token_offsets").none() = nb::none());
   m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
-        nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("profile") = false,
+        nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("dense_tokens").none() = nb::none(),
+        nb::arg("dense_lengths").none() = nb::none(), nb::arg("profile") = false,
         nb::arg("num_threads") = 0,
         "REST drafts for tokens[rows]: datastore (unless store is None or params.use_datastore "
         "is false) + output index (unless output is None) + context trie, top-k subtree and best "

@@ -29,6 +29,16 @@ struct RestParams {
   int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
   double output_weight = 0;     // weight of one continuation from the output index
   int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
+  double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours)
+};
+
+// Continuations found elsewhere (DReSD's dense neighbours) for one request: k rows of up to
+// len tokens, row i holding lengths[i] of them (0: none).
+struct DenseCandidates {
+  const int32_t* tokens;   // [k, len]
+  const int32_t* lengths;  // [k]
+  int k;
+  int len;
 };
 
 // Per-request outputs (views into the caller's arrays).
@@ -37,7 +47,7 @@ struct RestOutput {
   int32_t* tree_parents;  // [top_k], -1 = child of the root
   int32_t* tree_size;     // scalar
   float* tree_prob;       // [top_k]: weight(node) / weight(parent), the drafter's acceptance guess
-  int8_t* tree_source;    // [top_k]: kFromDatastore | kFromContext | kFromOutput
+  int8_t* tree_source;    // [top_k]: kFromDatastore | kFromContext | kFromOutput | kFromDense
   int32_t* chain_tokens;  // [chain_len]
   int32_t* chain_size;    // scalar
   float* chain_prob;      // [chain_len], as tree_prob
@@ -130,6 +140,7 @@ struct SuffixIndex {
 constexpr int8_t kFromDatastore = 1;
 constexpr int8_t kFromContext = 2;
 constexpr int8_t kFromOutput = 8;  // 4 is the model's n-gram tables (N-Grammys, Python side)
+constexpr int8_t kFromDense = 16;
 
 // Where a selected trie node goes: its token, parent position, weight ratio and sources.
 struct NodeOutput {
@@ -152,11 +163,13 @@ class ContinuationTrie {
     int32_t datastore_count = 0;
     int32_t context_count = 0;
     int32_t output_count = 0;
+    int32_t dense_count = 0;
   };
 
-  void reset(double context_weight, double output_weight) {
+  void reset(double context_weight, double output_weight, double dense_weight) {
     context_weight_ = context_weight;
     output_weight_ = output_weight;
+    dense_weight_ = dense_weight;
     nodes_.clear();
     nodes_.push_back(Node{-1, -1, -1, -1, -1, 0});
   }
@@ -183,7 +196,8 @@ class ContinuationTrie {
 
   double weight(int32_t node) const {
     const Node& n = nodes_[node];
-    return n.datastore_count + context_weight_ * n.context_count + output_weight_ * n.output_count;
+    return n.datastore_count + context_weight_ * n.context_count + output_weight_ * n.output_count +
+           dense_weight_ * n.dense_count;
   }
 
   // Strict total order: heavier first, then shallower, then smaller token, then older node.
@@ -257,13 +271,15 @@ class ContinuationTrie {
     out.prob[i] = static_cast<float>(weight(node) / weight(n.parent));
     out.source[i] = static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
                                         (n.context_count > 0 ? kFromContext : 0) |
-                                        (n.output_count > 0 ? kFromOutput : 0));
+                                        (n.output_count > 0 ? kFromOutput : 0) |
+                                        (n.dense_count > 0 ? kFromDense : 0));
   }
 
   void count(int32_t node, int8_t source) {
     Node& n = nodes_[node];
     if (source == kFromContext) ++n.context_count;
     else if (source == kFromOutput) ++n.output_count;
+    else if (source == kFromDense) ++n.dense_count;
     else ++n.datastore_count;
   }
 
@@ -283,6 +299,7 @@ class ContinuationTrie {
 
   double context_weight_ = 1.0;
   double output_weight_ = 1.0;
+  double dense_weight_ = 1.0;
   std::vector<Node> nodes_;
   std::vector<uint16_t> buffer16_;
   std::vector<uint32_t> buffer32_;
@@ -342,8 +359,9 @@ void insert_continuations(const SuffixIndex<Tok, Idx>& index, int64_t lo, int64_
 using OutputIndex = SuffixIndex<uint32_t, int32_t>;
 
 template <typename Tok, typename Idx>
-void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output, const int32_t* ctx,
-                       int n, const RestParams& prm, ContinuationTrie& trie, RestOutput out) {
+void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output,
+                       const DenseCandidates* dense, const int32_t* ctx, int n, const RestParams& prm,
+                       ContinuationTrie& trie, RestOutput out) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   int64_t lo = 0, hi = 0, out_lo = 0, out_hi = 0;
@@ -354,10 +372,14 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* ou
     out_len = longest_datastore_match(*output, ctx, n, prm, &out_lo, &out_hi);
   auto t1 = clock::now();
 
-  trie.reset(prm.context_weight, prm.output_weight);
+  trie.reset(prm.context_weight, prm.output_weight, prm.dense_weight);
   if (ds_len > 0) insert_continuations(*index, lo, hi, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
   if (out_len > 0)
     insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
+  if (dense != nullptr && prm.dense_weight > 0)
+    for (int i = 0; i < dense->k; ++i)
+      trie.insert(dense->tokens + static_cast<int64_t>(i) * dense->len,
+                  std::min(dense->lengths[i], prm.cont_len), kFromDense);
   auto t2 = clock::now();
 
   // The request's own context, searched the same way.

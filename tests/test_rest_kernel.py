@@ -13,7 +13,7 @@ from pydivsufsort import divsufsort
 
 from vllm_retrieval_spec.datastores.output_index import SEPARATOR, OutputIndex
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
-from vllm_retrieval_spec.drafts import SOURCE_OUTPUT
+from vllm_retrieval_spec.drafts import SOURCE_DENSE, SOURCE_OUTPUT
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.kernels.rest_reference import rest_retrieve_reference
 from vllm_retrieval_spec.options import RetrievalSpecOptions
@@ -40,10 +40,25 @@ def pack(contexts):
     return tokens, np.array([len(c) for c in contexts], np.int32)
 
 
-def kernel_results(store, contexts, params, num_threads=0, output=None):
+def pack_dense(dense):
+    """Per-row lists of continuations as the kernel's ``(tokens [rows, k, len], lengths [rows, k])``."""
+    if dense is None:
+        return None
+    k = max([len(row) for row in dense] + [1])
+    width = max([len(c) for row in dense for c in row] + [1])
+    tokens = np.full((len(dense), k, width), 777, dtype=np.int32)
+    lengths = np.zeros((len(dense), k), dtype=np.int32)
+    for r, row in enumerate(dense):
+        for i, continuation in enumerate(row):
+            tokens[r, i, : len(continuation)] = continuation
+            lengths[r, i] = len(continuation)
+    return tokens, lengths
+
+
+def kernel_results(store, contexts, params, num_threads=0, output=None, dense=None):
     tokens, lengths = pack(contexts)
     out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads,
-                        output_index=None if output is None else output.native)
+                        output_index=None if output is None else output.native, dense=pack_dense(dense))
     results = []
     for i in range(len(contexts)):
         tree_size, chain_size = int(out.tree_size[i]), int(out.chain_size[i])
@@ -55,10 +70,10 @@ def kernel_results(store, contexts, params, num_threads=0, output=None):
     return results
 
 
-def reference_results(store, contexts, params, output=None):
+def reference_results(store, contexts, params, output=None, dense=None):
     return rest_retrieve_reference(
         None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params,
-        None if output is None else output.tokens, SEPARATOR,
+        None if output is None else output.tokens, SEPARATOR, dense,
     )
 
 
@@ -89,6 +104,7 @@ params_strategy = st.builds(
     context_max_matches=st.integers(1, 8),
     output_weight=st.sampled_from([0.0, 1.0, 2.5]),
     output_max_matches=st.integers(0, 8),
+    dense_weight=st.sampled_from([0.0, 1.0, 7.0]),
 )
 documents_strategy = st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=6)
 # Context ids 0..4: id 4 is outside a vocabulary of 4 (no suffix can start with it).
@@ -98,12 +114,15 @@ contexts_strategy = st.lists(st.lists(st.integers(0, 4), max_size=25), min_size=
 @settings(max_examples=400, deadline=None)
 @given(documents=documents_strategy, contexts=contexts_strategy, params=params_strategy,
        wide=st.booleans(), vocab_size=st.sampled_from([None, 4, 6]), num_threads=st.integers(0, 3),
-       outputs=st.lists(st.lists(st.integers(0, 4), max_size=20), max_size=4))
-def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, vocab_size, num_threads, outputs):
+       outputs=st.lists(st.lists(st.integers(0, 4), max_size=20), max_size=4), data=st.data())
+def test_kernel_matches_brute_force_reference(documents, contexts, params, wide, vocab_size, num_threads, outputs,
+                                              data):
     store = make_store(documents, np.uint32 if wide else np.uint16, np.int64 if wide else np.int32, vocab_size)
     output = output_index_of(outputs)
-    got = kernel_results(store, contexts, params, num_threads, output)
-    assert got == reference_results(store, contexts, params, output)
+    dense = data.draw(st.none() | st.lists(st.lists(st.lists(st.integers(0, 4), max_size=7), max_size=5),
+                                           min_size=len(contexts), max_size=len(contexts)))
+    got = kernel_results(store, contexts, params, num_threads, output, dense)
+    assert got == reference_results(store, contexts, params, output, dense)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
 
@@ -211,3 +230,17 @@ def test_output_index_continuations_join_the_trie_with_their_own_weight():
     assert result["chain"] == [9, 8]  # a tie goes to the smaller token
     assert result["chain_nodes"] == ([1.0, 0.5], [SOURCE_OUTPUT, SOURCE_OUTPUT])
     assert result == reference_results(None, [[5, 1, 2]], params, output)[0]
+
+
+def test_dense_continuations_join_the_trie_with_their_own_weight_and_flag():
+    params = RestParams(cont_len=3, top_k=6, chain_len=3, min_ratio=0.0, use_datastore=False, dense_weight=2.0,
+                        context_weight=5.0)
+    dense = [[[7, 8, 9, 9], [7, 8, 6], [5]]]  # cut to cont_len
+    (result,) = kernel_results(None, [[1, 2, 3]], params, dense=dense)
+    assert result["chain"] == [7, 8, 6]  # a tie goes to the smaller token
+    assert result["chain_nodes"] == ([pytest.approx(2 / 3), 1.0, 0.5], [SOURCE_DENSE] * 3)
+    assert result == reference_results(None, [[1, 2, 3]], params, dense=dense)[0]
+    with pytest.raises(ValueError, match="dense_lengths must lie"):
+        tokens, lengths = pack([[1, 2, 3]])
+        dense_tokens, dense_lengths = pack_dense(dense)
+        rest_retrieve(None, tokens, lengths, np.array([0]), params, dense=(dense_tokens, dense_lengths + 5))

@@ -19,9 +19,10 @@ SOURCE_DATASTORE = 1
 SOURCE_CONTEXT = 2
 SOURCE_MODEL = 4  # the model's own n-gram tables (N-Grammys' bigram)
 SOURCE_OUTPUT = 8  # the cross-request output index (REST)
-NUM_SOURCE_CODES = 16
+SOURCE_DENSE = 16  # dense neighbours of the target's hidden state (DReSD)
+NUM_SOURCE_CODES = 32
 SOURCE_NAMES = ((SOURCE_DATASTORE, "datastore"), (SOURCE_CONTEXT, "context"), (SOURCE_MODEL, "model_ngram"),
-                (SOURCE_OUTPUT, "output_index"))
+                (SOURCE_OUTPUT, "output_index"), (SOURCE_DENSE, "dense"))
 
 
 def source_label(code: int) -> str:

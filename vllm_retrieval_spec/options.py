@@ -147,6 +147,17 @@ class RetrievalSpecOptions:
     output_max_matches: int = _option(
         64, _int_in(1, 100_000), "REST: output-index continuations per request (evenly sampled)"
     )
+    dense_datastore: str = _option(
+        "python-code-dense", _non_empty_string,
+        "DReSD: a dense datastore directory, or the name of a dense recipe in datastores/ built into the cache",
+    )
+    dense_neighbours: int = _option(
+        32, _int_in(1, 1024), "DReSD: nearest neighbours of the hidden state searched per request and step"
+    )
+    dense_weight: float = _option(
+        1.0, _float_in(0.0, 1e6),
+        "DReSD: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",
+    )
     tree: bool = _option(
         False, _bool,
         "REST, N-Grammys: draft trees of up to num_speculative_tokens nodes, verified as trees "
@@ -214,6 +225,11 @@ class RetrievalSpecOptions:
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> RetrievalSpecOptions:
         """Read our section of vLLM's ``additional_config``."""
+        if additional_config is not None and not isinstance(additional_config, Mapping):
+            raise OptionsError(
+                f"additional_config must be a JSON object such as '{{\"{OPTIONS_KEY}\": {{...}}}}', "
+                f"got {additional_config!r}"
+            )
         config = dict(additional_config or {})
         if "vllm_retrieval_spec" in config and OPTIONS_KEY not in config:
             raise OptionsError(

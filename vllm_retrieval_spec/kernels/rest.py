@@ -1,14 +1,16 @@
 """REST retrieval (exact-match retrieval, REST paper Algorithms 1 and 2): the front end of the C++ kernel.
 
-Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens)
-found in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens,
-stopping at document separators, evenly strided over the suffix-array range), the same from
-the cross-request output index (up to ``output_max_matches``, each weighing
-``output_weight``), plus the continuations of the longest suffix found earlier in the row's
-own context (each weighing ``context_weight``), merged into one trie. Output: the ``top_k`` heaviest nodes as a subtree,
-breadth-first (parents before children), and the heaviest chain, which stops when a child
-keeps less than ``min_ratio`` of its parent's weight. Ties: heavier, shallower, smaller token,
-earlier-created node. The brute-force reference is :mod:`vllm_retrieval_spec.kernels.rest_reference`.
+Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens) found
+in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens, stopping at
+document separators, evenly strided over the suffix-array range), the same from the
+cross-request output index (up to ``output_max_matches``, each weighing ``output_weight``), the
+dense continuations given by the caller (DReSD's neighbours, each weighing ``dense_weight``),
+plus the continuations of the longest suffix found earlier in the row's own context (each
+weighing ``context_weight``), merged into one trie. Output: the ``top_k`` heaviest nodes as a
+subtree, breadth-first (parents before children), and the heaviest chain, which stops when a
+child keeps less than ``min_ratio`` of its parent's weight. Ties: heavier, shallower, smaller
+token, earlier-created node. The brute-force reference is
+:mod:`vllm_retrieval_spec.kernels.rest_reference`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RestParams:
     context_max_matches: int = 64
     output_weight: float = 4.0
     output_max_matches: int = 64
+    dense_weight: float = 1.0
 
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
@@ -89,13 +92,16 @@ def rest_retrieve(
     params: RestParams,
     *,
     output_index: Any = None,
+    dense: tuple[np.ndarray, np.ndarray] | None = None,
     num_threads: int = 0,
     profile: bool = False,
 ) -> RestDrafts:
     """Draft for ``tokens[rows]`` (vLLM's ``token_ids_cpu`` layout) from ``store`` (a
-    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only) and
+    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only),
     ``output_index`` (the ``native`` build of an
-    :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None).
+    :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None) and ``dense``
+    continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
+    row per requested row, each weighing ``dense_weight``.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
     native_store = None if store is None else ext.SuffixStore(
@@ -108,6 +114,8 @@ def rest_retrieve(
         np.ascontiguousarray(lengths, dtype=np.int32),
         np.ascontiguousarray(rows, dtype=np.int32),
         _native_params(params),
+        dense_tokens=None if dense is None else np.ascontiguousarray(dense[0], dtype=np.int32),
+        dense_lengths=None if dense is None else np.ascontiguousarray(dense[1], dtype=np.int32),
         profile=profile,
         num_threads=num_threads,
     )

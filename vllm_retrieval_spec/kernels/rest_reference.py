@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_OUTPUT
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_OUTPUT
 from vllm_retrieval_spec.kernels.rest import RestParams
 
 
@@ -21,17 +21,19 @@ class _Node:
     datastore: int = 0
     context: int = 0
     output: int = 0
+    dense: int = 0
 
 
 class _ReferenceTrie:
-    def __init__(self, context_weight: float, output_weight: float) -> None:
+    def __init__(self, context_weight: float, output_weight: float, dense_weight: float) -> None:
         self.context_weight = context_weight
         self.output_weight = output_weight
+        self.dense_weight = dense_weight
         self.nodes = [_Node(-1, -1, 0)]
         self.children: dict[tuple[int, int], int] = {}
 
     def insert(self, sequence: Sequence[int], source: str) -> None:
-        """Count ``sequence`` for ``source`` ("datastore", "context" or "output")."""
+        """Count ``sequence`` for ``source`` ("datastore", "context", "output" or "dense")."""
         if not sequence:
             return
         path = [0]
@@ -46,13 +48,15 @@ class _ReferenceTrie:
 
     def weight(self, node: int) -> float:
         n = self.nodes[node]
-        return n.datastore + self.context_weight * n.context + self.output_weight * n.output
+        return (n.datastore + self.context_weight * n.context + self.output_weight * n.output
+                + self.dense_weight * n.dense)
 
     def describe(self, nodes: Sequence[int]) -> tuple[list[float], list[int]]:
         """Each node's weight over its parent's (as float32) and its source flags."""
         probs = [float(np.float32(self.weight(n) / self.weight(self.nodes[n].parent))) for n in nodes]
         sources = [SOURCE_DATASTORE * (self.nodes[n].datastore > 0) + SOURCE_CONTEXT * (self.nodes[n].context > 0)
-                   + SOURCE_OUTPUT * (self.nodes[n].output > 0) for n in nodes]
+                   + SOURCE_OUTPUT * (self.nodes[n].output > 0) + SOURCE_DENSE * (self.nodes[n].dense > 0)
+                   for n in nodes]
         return probs, sources
 
     def rank(self, node: int) -> tuple:
@@ -88,12 +92,14 @@ class _ReferenceTrie:
 def rest_retrieve_reference(
     store_tokens: np.ndarray | None, separator: int, contexts: Sequence[Sequence[int]], params: RestParams,
     output_tokens: np.ndarray | None = None, output_separator: int = 0,
+    dense: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort."""
+    """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort;
+    ``dense[i]``: row i's given dense continuations."""
     results = []
-    for context in contexts:
+    for row, context in enumerate(contexts):
         ctx = [int(t) for t in context]
-        trie = _ReferenceTrie(params.context_weight, params.output_weight)
+        trie = _ReferenceTrie(params.context_weight, params.output_weight, params.dense_weight)
         ds_len, found = 0, 0
         if params.use_datastore and store_tokens is not None and len(store_tokens):
             ds_len, continuations, found = _store_continuations(store_tokens, separator, ctx, params,
@@ -106,6 +112,9 @@ def rest_retrieve_reference(
                                                                      params.output_max_matches)
             for continuation in continuations:
                 trie.insert(continuation, "output")
+        if dense is not None and params.dense_weight > 0:
+            for continuation in dense[row]:
+                trie.insert(list(continuation)[: params.cont_len], "dense")
         ctx_len = 0
         if params.use_context and params.context_weight > 0:
             ctx_len, continuations = _context_continuations(ctx, params)
