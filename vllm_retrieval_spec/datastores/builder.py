@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from vllm_retrieval_spec import __version__
 from vllm_retrieval_spec.datastores.format import (
+    DATASTORE,
     FORMAT_VERSION,
     SUFFIX_ARRAY,
     TOKENS,
@@ -25,7 +26,7 @@ from vllm_retrieval_spec.datastores.format import (
     token_dtype_for,
 )
 from vllm_retrieval_spec.datastores.sources import ChatRenderer, DocumentStream, InputSpec
-from vllm_retrieval_spec.storage import atomic_directory, file_records
+from vllm_retrieval_spec.storage import atomic_directory, check_build_target, file_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -46,6 +47,8 @@ class BuildReport:
     tokenize_seconds: float
     sort_seconds: float
     bytes_on_disk: int
+    files_read: int
+    files_skipped: int  # binary files (see ``sources.looks_binary``)
 
     @property
     def tokens_per_second(self) -> float:
@@ -77,13 +80,14 @@ def build_datastore(
 ) -> BuildReport:
     """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``."""
     out_dir = Path(out_dir)
+    check_build_target(out_dir, replace, DATASTORE)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
     token_dtype = token_dtype_for(identity.vocab_size)
     render_chat = _chat_renderer(tokenizer)
     stream = DocumentStream(inputs, render_chat)
     start = time.perf_counter()
-    with atomic_directory(out_dir, replace=replace) as tmp:
+    with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
         with open(tmp / TOKENS, "wb") as handle:
             num_tokens, num_documents = _write_tokens(tokenizer, stream, handle, token_dtype, progress)
         tokenize_seconds = time.perf_counter() - start
@@ -104,6 +108,8 @@ def build_datastore(
                     for s in inputs
                 ],
                 "tokenizer_dir": str(tokenizer_dir),
+                "files_read": stream.files_read,
+                "files_skipped_binary": stream.files_skipped,
                 "package_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "seconds": round(time.perf_counter() - start, 2),
@@ -113,7 +119,8 @@ def build_datastore(
         manifest.write(tmp)
     seconds = time.perf_counter() - start
     size = sum(f["bytes"] for f in manifest.files.values())
-    return BuildReport(out_dir, num_tokens, num_documents, seconds, tokenize_seconds, sort_seconds, size)
+    return BuildReport(out_dir, num_tokens, num_documents, seconds, tokenize_seconds, sort_seconds, size,
+                       stream.files_read, stream.files_skipped)
 
 
 def _chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:

@@ -38,14 +38,8 @@ class TokenDatastore:
         both tokenizers named when it was built for another tokenizer."""
         path = Path(path)
         manifest = Manifest.read(path)
-        if expected_tokenizer is not None and not manifest.tokenizer.matches(expected_tokenizer):
-            raise DatastoreError(
-                f"datastore {path} was built with tokenizer {manifest.tokenizer.name!r} "
-                f"(vocab {manifest.tokenizer.vocab_size}, hash {manifest.tokenizer.vocab_sha256[:12]}), "
-                f"but the model is served with tokenizer {expected_tokenizer.name!r} "
-                f"(vocab {expected_tokenizer.vocab_size}, hash {expected_tokenizer.vocab_sha256[:12]}); "
-                "rebuild the datastore with `vllm-retrieval-spec datastore build --tokenizer MODEL_DIR ...`"
-            )
+        if expected_tokenizer is not None:
+            _refuse_another_tokenizer(path, manifest.tokenizer, expected_tokenizer)
         store = cls(
             path=path,
             manifest=manifest,
@@ -57,6 +51,10 @@ class TokenDatastore:
             store.tokens, store.separator, manifest.tokenizer.vocab_size, path / TOKENS
         )
         return store
+
+    def check_tokenizer(self, expected: TokenizerIdentity) -> None:
+        """Fail naming both tokenizers when the store was built for another one than ``expected``."""
+        _refuse_another_tokenizer(self.path, self.manifest.tokenizer, expected)
 
     def prefetch(self, wait: bool = False) -> None:
         """Ask the kernel to read both files into the page cache (``madvise(WILLNEED)``, which
@@ -112,6 +110,17 @@ class TokenDatastore:
             f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
             f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
         ])
+
+
+def _refuse_another_tokenizer(path: Path, built: TokenizerIdentity, expected: TokenizerIdentity) -> None:
+    if not built.matches(expected):
+        raise DatastoreError(
+            f"datastore {path} was built with tokenizer {built.name!r} "
+            f"(vocab {built.vocab_size}, hash {built.vocab_sha256[:12]}), "
+            f"but the model is served with tokenizer {expected.name!r} "
+            f"(vocab {expected.vocab_size}, hash {expected.vocab_sha256[:12]}); "
+            "rebuild the datastore with `vllm-retrieval-spec datastore build --tokenizer MODEL_DIR ...`"
+        )
 
 
 def first_token_offsets(

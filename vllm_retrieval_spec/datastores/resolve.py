@@ -16,10 +16,16 @@ def tokenizer_identity(tokenizer_dir: str | Path) -> TokenizerIdentity:
     return TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(tokenizer_dir)), name=Path(tokenizer_dir).name)
 
 
+def _as_directory(option: str) -> Path | None:
+    """The directory ``option`` names when it is a path (it exists or has a slash), else None."""
+    path = Path(option).expanduser()
+    return path if path.exists() or "/" in option else None
+
+
 def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
     """A directory path is used as given; a recipe name maps to its cached build."""
-    path = Path(option).expanduser()
-    if path.exists() or "/" in option:
+    path = _as_directory(option)
+    if path is not None:
         return path
     if option in available_recipes():
         store_dir = recipe_store_dir(option, tokenizer)
@@ -36,9 +42,16 @@ def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
 
 
 def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[TokenDatastore, TokenizerIdentity]:
-    """Open the store named by ``option`` and check it against the model's tokenizer."""
+    """Open the store named by ``option`` and check it against the model's tokenizer. A store
+    given by path is opened before the tokenizer loads, so a missing or corrupt one fails at once."""
+    path = _as_directory(option)
+    if path is None:
+        identity = tokenizer_identity(tokenizer_dir)
+        return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity
+    store = TokenDatastore.open(path)
     identity = tokenizer_identity(tokenizer_dir)
-    return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity
+    store.check_tokenizer(identity)
+    return store, identity
 
 
 def ensure_recipe_store(name: str, tokenizer_dir: str | Path) -> Path:

@@ -1,12 +1,17 @@
 """Documents for a datastore: text files, directories of source files, zip archives and JSONL
-(a text field, or OpenAI-style chat ``messages`` rendered with the tokenizer's chat template)."""
+(a text field, or OpenAI-style chat ``messages`` rendered with the tokenizer's chat template).
+Binary files (see :func:`looks_binary`) are counted and skipped; an input without any
+document is an error."""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import fnmatch
 import gzip
 import json
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +20,7 @@ from typing import Any
 from vllm_retrieval_spec.datastores.format import DatastoreError
 
 MAX_DOCUMENT_CHARS = 1_000_000  # longer documents are split at line boundaries
+SNIFF_BYTES = 8192  # a file is judged text or binary by its first bytes
 ChatRenderer = Callable[[list[dict[str, Any]]], str]
 
 
@@ -44,6 +50,11 @@ class DocumentStream:
     inputs: Sequence[InputSpec]
     render_chat: ChatRenderer | None = None
     files_seen: int = field(default=0, init=False)
+    files_skipped: int = field(default=0, init=False)  # binary
+
+    @property
+    def files_read(self) -> int:
+        return self.files_seen - self.files_skipped
 
     def count_files(self) -> int | None:
         """Files to read (for the progress bar), or None when JSONL records are the unit."""
@@ -59,7 +70,15 @@ class DocumentStream:
         for spec in self.inputs:
             if not spec.path.exists():
                 raise DatastoreError(f"input {spec.path} does not exist")
-            yield from self._documents_of(spec)
+            yield from self._documents_of_input(spec)
+
+    def _documents_of_input(self, spec: InputSpec) -> Iterator[str]:
+        seen, skipped, found = self.files_seen, self.files_skipped, False
+        for document in self._documents_of(spec):
+            found = True
+            yield document
+        if not found:
+            raise DatastoreError(_nothing_to_read(spec.path, self.files_seen - seen, self.files_skipped - skipped))
 
     def _documents_of(self, spec: InputSpec) -> Iterator[str]:
         path = spec.path
@@ -83,21 +102,30 @@ class DocumentStream:
             yield from self._jsonl_documents(file, spec)
             return
         opener = gzip.open if file.suffix == ".gz" else open
-        with opener(file, "rt", encoding="utf-8", errors="replace") as handle:
-            yield from split_long_document(handle.read())
+        with _named_errors(file, "gzip file"), opener(file, "rb") as handle:
+            data = handle.read()
+        yield from self._text_documents(data)
 
     def _zip_documents(self, spec: InputSpec) -> Iterator[str]:
-        with zipfile.ZipFile(spec.path) as archive:
+        with _named_errors(spec.path, "zip archive"), zipfile.ZipFile(spec.path) as archive:
             for member in sorted(archive.namelist()):
                 if member.endswith("/") or not spec.selects(member):
                     continue
                 self.files_seen += 1
-                yield from split_long_document(archive.read(member).decode("utf-8", errors="replace"))
+                yield from self._text_documents(archive.read(member))
+
+    def _text_documents(self, data: bytes) -> Iterator[str]:
+        """A text file's documents; a binary file is counted in ``files_skipped`` instead."""
+        if looks_binary(data[:SNIFF_BYTES]):
+            self.files_skipped += 1
+            return
+        yield from split_long_document(data.decode("utf-8", errors="replace"))
 
     def _jsonl_documents(self, file: Path, spec: InputSpec) -> Iterator[str]:
         opener = gzip.open if file.suffix == ".gz" else open
-        with opener(file, "rt", encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, 1):
+        with _named_errors(file, "gzip file"), opener(file, "rb") as handle:
+            for line_number, raw in enumerate(handle, 1):
+                line = _decode_line(file, line_number, raw)
                 if line.strip():
                     yield from split_long_document(self._record_text(file, line_number, line, spec))
 
@@ -110,13 +138,65 @@ class DocumentStream:
         if isinstance(record, dict) and isinstance(record.get("messages"), list):
             if self.render_chat is None:
                 raise DatastoreError(f"{where} has chat messages but the tokenizer has no chat template")
-            return self.render_chat(record["messages"])
+            return _render(self.render_chat, record["messages"], where)
         if isinstance(record, dict) and isinstance(record.get(spec.text_field), str):
             return record[spec.text_field]
         raise DatastoreError(
             f"{where} has neither a string field {spec.text_field!r} nor a 'messages' list; "
             "pass --text-field NAME for another field"
         )
+
+
+def _render(render_chat: ChatRenderer, messages: list[Any], where: str) -> str:
+    try:
+        return render_chat(messages)
+    except Exception as error:  # templates fail with jinja2, TypeError or ValueError alike
+        raise DatastoreError(
+            f"{where}: the tokenizer's chat template cannot render its 'messages' ({type(error).__name__}: "
+            f"{error}); make them a non-empty list of {{'role': str, 'content': str}} objects"
+        ) from error
+
+
+def _decode_line(file: Path, line_number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DatastoreError(
+            f"{file}:{line_number} is not valid UTF-8 ({error.reason} at byte {error.start} of the line); "
+            "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from error
+
+
+@contextlib.contextmanager
+def _named_errors(path: Path, what: str) -> Iterator[None]:
+    """Corrupt or truncated compressed data fails naming the file."""
+    try:
+        yield
+    except (EOFError, zlib.error, gzip.BadGzipFile, zipfile.BadZipFile) as error:
+        raise DatastoreError(
+            f"{path} is not a valid {what} or is truncated ({error}); re-create it, or leave it out of "
+            "the inputs (--exclude)"
+        ) from error
+
+
+def _nothing_to_read(path: Path, files: int, skipped: int) -> str:
+    if files == 0:
+        problem = "no file matches its --include/--exclude globs"
+    else:
+        problem = f"its {files} selected file(s) hold no text ({skipped} binary, skipped)"
+    return f"input {path} has nothing to read: {problem}; give text inputs or change the globs"
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first ``SNIFF_BYTES``) is binary: a NUL byte
+    there (git's rule), or bytes that are not UTF-8 (a character cut at the end is fine)."""
+    if b"\0" in head:
+        return True
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def split_long_document(text: str, limit: int = MAX_DOCUMENT_CHARS) -> Iterator[str]:

@@ -34,6 +34,7 @@ from vllm_retrieval_spec.storage import (
     ArtifactKind,
     StorageError,
     atomic_directory,
+    check_build_target,
     manifest_record,
     map_array,
     read_manifest,
@@ -114,29 +115,80 @@ class NgramTable:
     def w(self) -> int:
         return int(self.manifest["w"])
 
+    @property
+    def model(self) -> ModelIdentity:
+        return ModelIdentity(**self.manifest["model"])
+
     @classmethod
     def open(cls, path: str | Path, expected_model: ModelIdentity | None = None) -> NgramTable:
         """Open the table in ``path``; fail naming the file when it is missing, truncated or
-        corrupt, and naming both models when it was built from another model."""
+        corrupt (token ids outside the vocabulary included), and naming both models when it
+        was built from another model."""
         path = Path(path)
         manifest = read_manifest(path, NGRAM_TABLE)
         owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE)
-        if expected_model is not None and not owner.matches(expected_model):
-            raise NgramTableError(
-                f"n-gram table {path} was built from model {owner.name!r} (config {owner.config_sha256[:12]}, "
-                f"vocab {owner.vocab_sha256[:12]}), but the served model is {expected_model.name!r} "
-                f"(config {expected_model.config_sha256[:12]}, vocab {expected_model.vocab_sha256[:12]}); "
-                "build a table for it with `vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
-            )
+        if expected_model is not None:
+            _refuse_another_model(path, owner, expected_model)
         v, k, w = owner.vocab_size, manifest["k"], manifest["w"]
         unigram = map_array(path / UNIGRAM_RANKING, np.int32, (v,), NGRAM_TABLE) if manifest["unigram"] else None
-        return cls(
+        table = cls(
             path=path,
             manifest=manifest,
             bigram_tokens=map_array(path / BIGRAM_TOKENS, np.int32, (v, k), NGRAM_TABLE),
             bigram_probs=map_array(path / BIGRAM_PROBS, np.float32, (v, k), NGRAM_TABLE),
             extended=map_array(path / EXTENDED, np.int32, (v, k, w), NGRAM_TABLE),
             unigram_ranking=unigram,
+        )
+        table.check_token_ids()
+        return table
+
+    def check_model(self, expected: ModelIdentity) -> None:
+        """Fail naming both models when the table was built from another model than ``expected``."""
+        _refuse_another_model(self.path, self.model, expected)
+
+    def check_token_ids(self) -> None:
+        """Fail naming the file when a stored token id is outside the vocabulary (reads the tables once)."""
+        v = self.model.vocab_size
+        for name, ids in ((BIGRAM_TOKENS, self.bigram_tokens), (EXTENDED, self.extended),
+                          (UNIGRAM_RANKING, self.unigram_ranking)):
+            if ids is None or ids.size == 0:
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= v:
+                raise NGRAM_TABLE.fail(f"{self.path / name} holds token ids outside the vocabulary [0, {v}) "
+                                       f"(min {low}, max {high})")
+
+
+def _refuse_another_model(path: Path, owner: ModelIdentity, expected: ModelIdentity) -> None:
+    if not owner.matches(expected):
+        raise NgramTableError(
+            f"n-gram table {path} was built from model {owner.name!r} (config {owner.config_sha256[:12]}, "
+            f"vocab {owner.vocab_sha256[:12]}), but the served model is {expected.name!r} "
+            f"(config {expected.config_sha256[:12]}, vocab {expected.vocab_sha256[:12]}); "
+            "build a table for it with `vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
+        )
+
+
+def open_table_for_model(option: str, model_dir: str | Path) -> NgramTable:
+    """The table the ``ngram_table`` option names (empty: the cache default of the model),
+    checked against the model. A table given by path is opened before the model is read, so
+    a missing or corrupt one fails at once."""
+    if not option:
+        identity = ModelIdentity.of(model_dir)
+        table_dir = default_table_dir(identity)
+        _require_table_dir(table_dir, f"--model {model_dir}")
+        return NgramTable.open(table_dir, expected_model=identity)
+    table_dir = Path(option).expanduser()
+    _require_table_dir(table_dir, f"--model {model_dir} --out {table_dir}")
+    table = NgramTable.open(table_dir)
+    table.check_model(ModelIdentity.of(model_dir))
+    return table
+
+
+def _require_table_dir(table_dir: Path, build_args: str) -> None:
+    if not table_dir.exists():
+        raise NgramTableError(
+            f"no n-gram table at {table_dir}; build it with `vllm-retrieval-spec ngram-table build {build_args}`"
         )
 
 
@@ -157,6 +209,8 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
                       prefix: Sequence[int] | None = None, progress: bool = True) -> Path:
     """Run the model over every token (after ``prefix``, by default the document start) and
     write the tables."""
+    out_dir = Path(out_dir)
+    check_build_target(out_dir, replace, NGRAM_TABLE)  # before minutes of work
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,8 +222,7 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
     top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress, prefix)
     extended = extend_bigram(top_tokens, w)
     ranking = unigram_ranking(model) if unigram else None
-    out_dir = Path(out_dir)
-    with atomic_directory(out_dir, replace=replace) as tmp:
+    with atomic_directory(out_dir, replace=replace, kind=NGRAM_TABLE) as tmp:
         top_tokens.tofile(tmp / BIGRAM_TOKENS)
         top_probs.tofile(tmp / BIGRAM_PROBS)
         extended.tofile(tmp / EXTENDED)

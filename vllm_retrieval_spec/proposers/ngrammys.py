@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
-from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, NgramTableError, default_table_dir
+from vllm_retrieval_spec.ngrams.table import open_table_for_model
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
 if TYPE_CHECKING:
@@ -22,14 +21,7 @@ class NGrammysProposer(DraftProposer):
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
-        identity = ModelIdentity.of(vllm_config.model_config.model)
-        table_dir = Path(self.options.ngram_table) if self.options.ngram_table else default_table_dir(identity)
-        if not table_dir.exists():
-            raise NgramTableError(
-                f"no n-gram table at {table_dir}; build it with "
-                f"`vllm-retrieval-spec ngram-table build --model {vllm_config.model_config.model}`"
-            )
-        self.table = NgramTable.open(table_dir, expected_model=identity)
+        self.table = open_table_for_model(self.options.ngram_table, vllm_config.model_config.model)
         self.last_drafts: NgramDrafts | None = None
 
     def draft(self, batch: DraftBatch) -> NgramDrafts:
