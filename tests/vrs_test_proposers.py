@@ -1,4 +1,5 @@
-"""Test-only proposers (importable in the in-process engine, which shares sys.path)."""
+"""Test-only proposers (importable in the in-process engine, which shares sys.path, and in a
+server started with ``tests/`` on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
