@@ -216,11 +216,20 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
         return _update_states
 
+    reads_hidden_states = drafter.needs_hidden_states()
+
     def begin_step(original: Callable) -> Callable:
-        def propose_draft_token_ids(scheduler_output, *args, **kwargs):
+        # vLLM 0.32/0.33: (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+        # sample_hidden_states, aux_hidden_states, spec_decode_metadata, ...)
+        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
             session.begin_step(runner.input_batch.req_ids, scheduler_output.total_num_scheduled_tokens)
+            if reads_hidden_states:
+                drafts = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
+                session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids)
             try:
-                return original(scheduler_output, *args, **kwargs)
+                return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
             finally:
                 session.end_step()
 

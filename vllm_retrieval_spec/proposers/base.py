@@ -43,6 +43,7 @@ class DraftSession(Protocol):
     step_req_ids: list[str]  # the request id of every input-batch row this step
     budget: GoodputBudget | None  # the goodput budget (``budget: auto``), else None
     output_index: OutputIndex | None  # the cross-request output index, when uses_output_index()
+    step_hidden_states: torch.Tensor | None  # [rows, hidden] this step, when needs_hidden_states()
 
     def publish(self, trees: Mapping[int, DraftTree]) -> None:
         """This step's trees by input-batch row."""
@@ -116,6 +117,11 @@ class DraftProposer(abc.ABC):
 
     def uses_output_index(self) -> bool:
         """Whether the runner's session should keep a cross-request output index for us."""
+        return False
+
+    def needs_hidden_states(self) -> bool:
+        """Whether the runner's session should keep the target's last hidden state of every
+        row for us (``session.step_hidden_states``)."""
         return False
 
     def load_model(self, target_model: torch.nn.Module) -> None:  # noqa: B027 (an optional hook)

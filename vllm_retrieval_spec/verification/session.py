@@ -90,6 +90,8 @@ class SpecSession:
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
     _tree_nodes: ops.TreeNodes | None = field(default=None, init=False, repr=False)
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
+    _accepted_paths: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    step_hidden_states: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ drafting side
 
@@ -113,6 +115,28 @@ class SpecSession:
         self._draft_seconds = time.perf_counter() - self._step_started
         if self.metrics is not None:
             self.metrics.publish(self._draft_seconds)
+
+    def keep_hidden_states(self, sample_hidden_states: torch.Tensor, num_draft_tokens: Sequence[int] | None,
+                           sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """For drafters that read the target's last hidden state (DReSD): keep, per input-batch
+        row, the hidden state that produced the row's last sampled token (``[rows, hidden]``,
+        on the model's device; rows that sampled nothing keep an arbitrary one).
+        ``sample_hidden_states`` holds one row per request without drafts, ``n + 1`` with ``n``
+        drafts; in tree mode the producing row is the last accepted node's, not the ``k``-th."""
+        rows = len(sampled_token_ids)
+        sampled = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=rows)
+        offsets = np.maximum(sampled, 1) - 1
+        if num_draft_tokens is None:
+            starts = np.arange(rows, dtype=np.int64)
+        else:
+            per_request = np.asarray(num_draft_tokens, dtype=np.int64)[:rows] + 1
+            starts = np.concatenate([[0], np.cumsum(per_request)[:-1]])
+            if self._accepted_paths is not None and self._accepted_paths[0] == self.step - 1:
+                _, path_nodes, num_accepted = self._accepted_paths
+                last = np.take_along_axis(path_nodes, np.maximum(num_accepted - 1, 0)[:, None], axis=1)[:, 0]
+                offsets[: len(num_accepted)] = np.where(num_accepted > 0, last + 1, 0)[:rows]
+        index = torch.from_numpy(starts + offsets).to(sample_hidden_states.device)
+        self.step_hidden_states = sample_hidden_states[index]
 
     def publish(self, trees: Mapping[int, DraftTree]) -> None:
         """This step's trees by input-batch row (tree mode); older ones are never verified."""
@@ -192,6 +216,7 @@ class SpecSession:
                 "attention backend is not one tree verification supports (CPU_ATTN on the CPU build, "
                 "FLASH_ATTN or TRITON_ATTN on GPUs; pick one with --attention-backend) or use chain mode"
             )
+        self._accepted_paths = (self.step, path_nodes, num_accepted)
         sources, destinations = plan.accepted_moves(path_nodes, num_accepted)
         self.stats.compacted_slots += len(sources)
         if len(sources):
