@@ -248,3 +248,15 @@ def test_vllm_bench_serve_runs_through_our_cli(rest_server, model_dir):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^Successful requests:\s+4\s*$", done.stdout, flags=re.M), done.stdout[-3000:]
     assert re.search(r"^Failed requests:\s+0\s*$", done.stdout, flags=re.M)
+
+
+@pytest.mark.server
+def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_server, model_dir, tmp_path):
+    out = tmp_path / "load64.json"
+    with VllmServer(model_dir, extra_args=["--max-num-seqs", "4"]) as reference:
+        subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
+                        reference.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
+                        "--form", "chat", "--out", str(out)], check=True, timeout=1800)
+    [row] = json.loads(out.read_text())["results"]
+    assert row["completed"] == 200 and row["errors"] == {}
+    assert row["compare"]["compared"] == 200 and row["compare"]["differing"] == 0
