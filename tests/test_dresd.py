@@ -1,11 +1,21 @@
-"""DReSD: the hidden state that produced each row's last sampled token, in chain and tree mode."""
+"""DReSD: the hidden state that produced each row's last sampled token (chain and tree mode), and
+DReSDProposer in the real engine: lossless, drafting from its dense neighbours."""
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
+from vllm_retrieval_spec.datastores.dense_builder import DenseBuildOptions, build_dense_datastore
+from vllm_retrieval_spec.datastores.sources import InputSpec
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
 from vllm_retrieval_spec.verification.session import SpecSession
+
+from conftest import assert_same_token_ids, generate_both_ways, running_engine
 
 
 def session_after_step(step: int = 5) -> SpecSession:
@@ -38,3 +48,30 @@ def test_tree_rows_take_the_row_of_the_last_accepted_node():
     hidden = torch.arange(10, dtype=torch.float32)[:, None]
     session.keep_hidden_states(hidden, [5, 3], [[1, 2, 3], [4]])
     assert session.step_hidden_states[:, 0].tolist() == [4.0, 6.0]
+
+
+@pytest.fixture(scope="module")
+def dense_store(model_dir, tmp_path_factory) -> Path:
+    """A real dense store over a few standard-library modules (a few thousand positions)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path_factory.mktemp("dresd-corpus")
+    for name in ("bisect.py", "heapq.py", "textwrap.py"):
+        (corpus / name).write_text((stdlib / name).read_text())
+    out = tmp_path_factory.mktemp("dresd-store") / "store"
+    build_dense_datastore(model_dir, [InputSpec(corpus)], out, DenseBuildOptions(), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_dresd_is_lossless_and_drafts_from_its_neighbours(tree, model_dir, dense_store, e2e_prompts, baseline_runs):
+    options = {"dense_datastore": str(dense_store), "budget": "fixed", "tree": tree}
+    spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 16 if tree
+                                  else 8}, {"retrieval_spec": options}, max_num_seqs=8)
+    with running_engine(spec) as llm:
+        runs = generate_both_ways(llm, e2e_prompts)
+        drafter = drafter_of(llm)
+    for mode, run in runs.items():
+        assert_same_token_ids(baseline_runs[mode], run)
+        assert run.counters.accepted_tokens > 0, mode
+    assert drafter.stats.failures == 0, drafter.stats.last_error
+    assert sum(count for source, count in drafter.stats.draft_tokens_by_source.items() if "dense" in source) > 0

@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _PROPOSERS = {
     "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
     "RestProposer": "vllm_retrieval_spec.proposers.rest",
+    "DReSDProposer": "vllm_retrieval_spec.proposers.dresd",
     "NGrammysProposer": "vllm_retrieval_spec.proposers.ngrammys",
     "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",  # deprecated alias of NGrammysProposer
 }

@@ -34,6 +34,7 @@ DEBUG_ENV = "VLLM_RETRIEVAL_SPEC_DEBUG"
 EXIT_BAD_INPUT = 2  # as argparse's usage errors
 REST_PROPOSERS = ("vllm_retrieval_spec.RestProposer",)
 NGRAMMYS_PROPOSERS = ("vllm_retrieval_spec.NGrammysProposer", "vllm_retrieval_spec.NGramProposer")
+DRESD_PROPOSERS = ("vllm_retrieval_spec.DReSDProposer",)
 
 
 class CommandLineError(ValueError):
@@ -101,6 +102,10 @@ def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptio
         from vllm_retrieval_spec.ngrams.table import open_table_for_model
 
         open_table_for_model(options.ngram_table, model)
+    elif proposer in DRESD_PROPOSERS:
+        from vllm_retrieval_spec.datastores.dense import open_dense_datastore_for_model
+
+        open_dense_datastore_for_model(options.dense_datastore, model)
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -172,6 +177,12 @@ def _datastore_build(args: argparse.Namespace) -> None:
           f"{report.seconds:.1f} s ({report.tokens_per_second / 1e6:.2f}M tokens/s; tokenize "
           f"{report.tokenize_seconds:.1f} s, sort {report.sort_seconds:.1f} s), "
           f"{report.bytes_per_token:.2f} bytes/token")
+
+
+def _datastore_build_dense(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores.dense_cli import run_build_dense
+
+    run_build_dense(args)
 
 
 def _datastore_inspect(args: argparse.Namespace) -> None:
@@ -253,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--full", action="store_true", help="also verify the files' sha256")
     inspect.set_defaults(handler=_datastore_inspect)
+    from vllm_retrieval_spec.datastores.dense_cli import add_build_dense_arguments
+
+    build_dense = datastore_commands.add_parser(
+        "build-dense", help="DReSD: index the model's hidden states over the inputs (FAISS) with their next tokens")
+    add_build_dense_arguments(build_dense)
+    build_dense.set_defaults(handler=_datastore_build_dense)
 
     ngram_table = commands.add_parser("ngram-table", help="N-Grammys: model-derived n-gram tables")
     ngram_commands = ngram_table.add_subparsers(dest="ngram_command", required=True)

@@ -1,0 +1,138 @@
+"""The on-disk format of a dense (DReSD) datastore (format version 1).
+
+A dense datastore directory holds:
+
+- ``values.bin``: raw ``int32`` ``[positions, value_tokens]``: the next ``value_tokens`` token
+  ids after each kept position (its first id is the token the position's hidden state predicts);
+- ``mean.bin``, ``std.bin``: raw ``float32`` ``[hidden_size]``: the z-normalisation
+  (``std`` is ``sqrt(var + epsilon)``);
+- ``components.bin``: raw ``float32`` ``[hidden_size, dim]``: the PCA directions of the
+  z-normalised states, largest variance first;
+- ``index.faiss``: the FAISS inner-product index over the keys
+  ``L2norm(((h - mean) / std) @ components)``, in row order of ``values.bin``. The keys are
+  stored only there (exactly in a flat or IVF-Flat index, as PQ codes in IVF-PQ);
+- ``manifest.json``: format version, shapes, dtypes, the index parameters, the model's
+  identity (config and tokenizer hashes), bytes per position, file sizes and sha256s and the
+  build parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_retrieval_spec.datastores.format import DatastoreError
+from vllm_retrieval_spec.ngrams.table import ModelIdentity
+from vllm_retrieval_spec.paths import cache_root
+from vllm_retrieval_spec.storage import ArtifactKind, manifest_record, read_manifest, write_manifest
+
+DENSE_FORMAT_VERSION = 1
+VALUES = "values.bin"
+MEAN = "mean.bin"
+STD = "std.bin"
+COMPONENTS = "components.bin"
+INDEX = "index.faiss"
+INDEX_TYPES = ("flat", "ivf_flat", "ivf_pq")
+BUILD_DENSE = "`vllm-retrieval-spec datastore build-dense --model MODEL_DIR --input ... --out DIR`"
+
+
+class DenseDatastoreError(DatastoreError):
+    """A dense datastore is missing, corrupt, truncated, or belongs to another model."""
+
+
+DENSE_DATASTORE = ArtifactKind(
+    noun="dense datastore",
+    article="a",
+    format_version=DENSE_FORMAT_VERSION,
+    error=DenseDatastoreError,
+    build_command=BUILD_DENSE,
+    required={"num_positions": int, "value_tokens": int, "hidden_size": int, "dim": int, "model": dict,
+              "index": dict, "transform": dict, "bytes_per_position": (int, float), "files": dict,
+              "build": dict},
+    dtypes={"value_dtype": ("int32",), "transform_dtype": ("float32",)},
+)
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """The FAISS index of a store: ``type`` one of :data:`INDEX_TYPES`; ``nlist``/``nprobe``
+    (IVF), ``pq_m``/``pq_bits`` (IVF-PQ) and the number of keys trained on, else None."""
+
+    type: str
+    metric: str = "inner_product"
+    nlist: int | None = None
+    nprobe: int | None = None
+    pq_m: int | None = None
+    pq_bits: int | None = None
+    train_size: int | None = None
+
+    def describe(self) -> str:
+        parts = [self.type]
+        if self.nlist is not None:
+            parts.append(f"nlist {self.nlist}, nprobe {self.nprobe}")
+        if self.pq_m is not None:
+            parts.append(f"PQ {self.pq_m}x{self.pq_bits} bits")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class DenseManifest:
+    """The parsed ``manifest.json`` of a dense datastore."""
+
+    format_version: int
+    num_positions: int
+    value_tokens: int
+    hidden_size: int
+    dim: int
+    value_dtype: str
+    transform_dtype: str
+    model: ModelIdentity
+    index: IndexSpec
+    transform: dict[str, Any]
+    bytes_per_position: float
+    files: dict[str, dict[str, Any]]
+    build: dict[str, Any]
+
+    def write(self, directory: Path) -> None:
+        write_manifest(directory, asdict(self))
+
+    @classmethod
+    def read(cls, directory: Path) -> DenseManifest:
+        """The validated manifest of the dense datastore in ``directory``."""
+        raw = read_manifest(directory, DENSE_DATASTORE)
+        model = manifest_record(directory, ModelIdentity, raw["model"], DENSE_DATASTORE)
+        index = manifest_record(directory, IndexSpec, raw["index"], DENSE_DATASTORE)
+        manifest = manifest_record(directory, cls, raw | {"model": model, "index": index}, DENSE_DATASTORE)
+        manifest.check(Path(directory))
+        return manifest
+
+    def check(self, directory: Path) -> None:
+        """Values the reader relies on: positive sizes, a known index type, dim <= hidden size."""
+        where = directory / "manifest.json"
+        sizes = {"num_positions": self.num_positions, "value_tokens": self.value_tokens,
+                 "hidden_size": self.hidden_size, "dim": self.dim}
+        for key, value in sizes.items():
+            if value < 1:
+                raise DENSE_DATASTORE.fail(f"{where} is corrupt ({key!r} is {value})")
+        if self.dim > self.hidden_size:
+            raise DENSE_DATASTORE.fail(f"{where} is corrupt (dim {self.dim} > hidden size {self.hidden_size})")
+        if self.index.type not in INDEX_TYPES:
+            raise DENSE_DATASTORE.fail(f"{where}: index type {self.index.type!r} is not one of "
+                                       f"{', '.join(INDEX_TYPES)}")
+
+
+def refuse_another_model(path: Path, built: ModelIdentity, expected: ModelIdentity) -> None:
+    """Fail naming both models when the store at ``path`` was built for another model or tokenizer."""
+    if not built.matches(expected):
+        raise DenseDatastoreError(
+            f"dense datastore {path} was built for model {built.name!r} (config {built.config_sha256[:12]}, "
+            f"vocab {built.vocab_size}, tokenizer {built.vocab_sha256[:12]}), but the model is "
+            f"{expected.name!r} (config {expected.config_sha256[:12]}, vocab {expected.vocab_size}, "
+            f"tokenizer {expected.vocab_sha256[:12]}); rebuild it for this model with {BUILD_DENSE}"
+        )
+
+
+def dense_recipe_store_dir(name: str, model: ModelIdentity) -> Path:
+    """Where a recipe's dense store for this model (config and tokenizer) lives in the cache."""
+    return cache_root() / "dense-datastores" / f"{name}-{model.config_sha256[:8]}-{model.vocab_sha256[:8]}"
