@@ -73,8 +73,8 @@ def test_bad_options_stop_the_server_with_the_option_named(model_dir, options, m
     spec = {"model": "vllm_retrieval_spec.PromptLookupProposer", "num_speculative_tokens": 4}
     server = VllmServer(model_dir, speculative_config=spec, additional_config={"retrieval_spec": options})
     try:
-        with pytest.raises(ServerError, match=r"the server exited with code 1\n") as failure:
+        with pytest.raises(ServerError, match=r"the server exited with code 2\n") as failure:
             server.start(timeout_s=240)
     finally:
         server.stop()
-    assert re.search(rf"vllm-retrieval-spec serve: --additional-config: {message}", str(failure.value))
+    assert re.search(rf"vllm-retrieval-spec: error: {message}", str(failure.value))
