@@ -77,6 +77,10 @@ CONFIGS: dict[str, dict] = {
     **{f"ngrammys_tree_k{k}": _ours("NGrammysProposer", k, tree=True) for k in (8, 16, 32, 64)},
     # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
     **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
+    # DReSD: dense neighbours merged with the context (default) or alone (use_context false).
+    "dresd_k8": _ours("DReSDProposer", 8),
+    "dresd_alone_k8": _ours("DReSDProposer", 8, use_context=False),
+    "dresd_tree_k16": _ours("DReSDProposer", 16, tree=True),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
@@ -84,8 +88,29 @@ CONFIGS: dict[str, dict] = {
 DEFAULT_CONFIGS = ["none", "rest_k8", "rest_datastore_k8", "rest_context_k8", "ngram_k4", "ngram_k8", "suffix"]
 
 
-def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
-    config = CONFIGS[name]
+def with_options(config: dict, options: dict) -> dict:
+    """``config`` with ``options`` added to its ``retrieval_spec`` section (our proposers only)."""
+    speculative = config.get("speculative_config") or {}
+    if not options or not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
+        return config
+    section = (config.get("additional_config") or {}).get("retrieval_spec", {})
+    return {**config, "additional_config": {"retrieval_spec": {**section, **options}}}
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON where it parses (numbers, booleans), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--option {text!r}: write KEY=VALUE, e.g. datastore=/path/to/store")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, concurrency: int,
+               options: dict | None = None) -> dict:
+    config = with_options(CONFIGS[name], options or {})
     spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
                       max_num_seqs=max(concurrency, 1))
     llm = build_llm(spec)
@@ -139,7 +164,7 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
               "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     for name in names:
         print(f"[{form}] {name} ...", flush=True)
-        result = run_config(model, name, prompts, args.max_tokens, args.concurrency)
+        result = run_config(model, name, prompts, args.max_tokens, args.concurrency, dict(args.option))
         outputs.append(result.pop("output_ids"))
         results.append(result)
         compare(results, outputs)
@@ -200,6 +225,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help=f"from {', '.join(CONFIGS)}")
+    parser.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="retrieval_spec option for every config of ours (repeatable), e.g. "
+                             "datastore=DIR dense_datastore=DIR for in-distribution stores")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")

@@ -304,3 +304,13 @@ def test_command_line_build_dense(model_dir, short_input, tmp_path):
     assert again.returncode == 2 and f"{out} already exists; pass --replace" in again.stderr
     both = subprocess.run([*command, "--recipe", "python-code-dense"], capture_output=True, text=True, timeout=300)
     assert both.returncode == 2 and "give either --recipe NAME or --input PATH" in both.stderr
+
+
+def test_the_index_stays_on_the_cpu_without_faiss_gpu(store_dir, model_dir):
+    import faiss
+
+    store = open_dense_datastore_for_model(str(store_dir), model_dir)
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        assert store.use_gpu(0) and "Gpu" in type(store.index).__name__
+    else:
+        assert not store.use_gpu(0) and type(store.index).__name__ == "IndexFlatIP" and store.gpu_resources is None

@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_retrieval_spec.datastores.dense_builder import DenseBuildOptions, build_dense_datastore
+from vllm_retrieval_spec.datastores.dense_builder import (
+    DenseBuildOptions,
+    build_dense_datastore,
+    last_hidden_states,
+    load_target_model,
+)
 from vllm_retrieval_spec.datastores.sources import InputSpec
-from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
 from vllm_retrieval_spec.verification.session import SpecSession
 
 from conftest import assert_same_token_ids, generate_both_ways, running_engine
@@ -75,3 +80,29 @@ def test_dresd_is_lossless_and_drafts_from_its_neighbours(tree, model_dir, dense
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0, drafter.stats.last_error
     assert sum(count for source, count in drafter.stats.draft_tokens_by_source.items() if "dense" in source) > 0
+
+
+def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_store, e2e_prompts):
+    """At every drafting call, the state given for a row is the one a plain transformers forward
+    of the row's tokens gives at the position that produced its last token."""
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 8},
+                      {"retrieval_spec": {"dense_datastore": str(dense_store), "budget": "fixed"}}, max_num_seqs=4)
+    with running_engine(spec) as llm:
+        drafter = drafter_of(llm)
+        search = drafter.neighbour_continuations
+
+        def recording(batch):
+            states = drafter.session.step_hidden_states[batch.rows].float().cpu().numpy()
+            seen.extend((batch.token_ids[row, :batch.num_tokens[row]].copy(), state.copy())
+                        for row, state in zip(batch.rows, states))
+            return search(batch)
+
+        drafter.neighbour_continuations = recording
+        generate(llm, e2e_prompts[:4], 24, concurrency=4)
+    assert len(seen) >= 16
+    model = load_target_model(model_dir)
+    for ids, state in seen[::max(1, len(seen) // 24)]:
+        with torch.inference_mode():
+            expected = last_hidden_states(model, torch.tensor([ids.tolist()]))[0, len(ids) - 2]
+        torch.testing.assert_close(torch.from_numpy(state), expected, rtol=1e-3, atol=2e-3)

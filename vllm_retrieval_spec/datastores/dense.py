@@ -67,6 +67,7 @@ class DenseDatastore:
     values: np.ndarray
     index: Any  # faiss.Index
     num_threads: int
+    gpu_resources: Any = None  # faiss.StandardGpuResources once the index lives on a GPU
 
     @classmethod
     def open(cls, path: str | Path, model_identity: ModelIdentity | None = None, *, nprobe: int | None = None,
@@ -115,7 +116,24 @@ class DenseDatastore:
     def set_nprobe(self, nprobe: int) -> None:
         """Inverted lists probed per query (IVF indexes; ignored by a flat one)."""
         if hasattr(self.index, "nprobe"):
-            self.index.nprobe = max(1, min(int(nprobe), self.index.nlist))
+            self.index.nprobe = max(1, min(int(nprobe), self.manifest.index.nlist or 1))
+
+    def use_gpu(self, device: int) -> bool:
+        """Copy the index to GPU ``device`` (faiss-gpu); False, keeping the CPU index, when this
+        FAISS build has no GPU support or sees no such device."""
+        import faiss
+
+        if self.gpu_resources is not None:
+            return True
+        if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() <= device:
+            return False
+        self.gpu_resources = faiss.StandardGpuResources()
+        self.index = faiss.index_cpu_to_gpu(self.gpu_resources, device, self.index)
+        return True
+
+    def warm_up(self, k: int) -> None:
+        """One search, so that the first real one does not pay for paging the index in."""
+        self.search(np.asarray(self.transform.mean)[None, :] + 1.0, k)
 
     def search(self, hidden_states: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` nearest stored positions of each hidden state ``[B, H]`` (cosine of the keys),

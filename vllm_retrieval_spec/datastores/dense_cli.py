@@ -18,7 +18,7 @@ OPTION_FLAGS = {  # DenseBuildOptions field -> help (all default to the recipe's
     "overlap": "context tokens a window repeats from the previous one (default 128)",
     "batch_tokens": "tokens per forward batch (default 4096)",
     "document_stride": "take every n-th document of the inputs (default 1: all)",
-    "flat_max": "exact IndexFlatIP up to this many positions, IVF above (default 200000)",
+    "flat_max": "exact IndexFlatIP up to this many positions, IVF above (default 16384)",
     "index_memory": "bytes of IVF vectors above which keys are PQ-compressed (default 4 GiB)",
     "nlist": "IVF lists (default: a power of two near 4·sqrt(positions))",
     "nprobe": "IVF lists probed per query by default (default: nlist / 16, at most 64)",

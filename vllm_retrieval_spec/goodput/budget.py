@@ -151,8 +151,8 @@ class GoodputBudget:
         """Rows whose best possible first node could pay: its optimistic chance (the best
         root-child bucket times the request's factor) is at least what verifying it and
         searching for it cost, in tokens, at the rate of a step of ``num_reqs`` requests
-        without drafts (fresh every step, so a step where every search is skipped cannot
-        freeze the decision)."""
+        without drafts (fresh every step, and the search time decays on steps where every
+        search is skipped, so that no decision freezes)."""
         if not len(req_ids):
             return np.ones(0, bool)
         rate = num_reqs / max(float(self.cost.predict(num_reqs, num_reqs)), 1e-9)
@@ -160,7 +160,11 @@ class GoodputBudget:
         factor = self.factors.factor(self.factors.slots_of(req_ids))
         worth = np.minimum(self.calibration.best_first_chance() * factor, MAX_CHANCE) >= threshold
         self.stats.skipped_rows += int((~worth).sum())
-        self.stats.skipped_steps += not worth.any()
+        if not worth.any():
+            # Nothing searched, nothing timed: let the search-time estimate drift down so that
+            # one slow search (a cold index) cannot skip every later step.
+            self.stats.skipped_steps += 1
+            self.search_seconds_per_row *= 1.0 - SEARCH_TIME_SMOOTHING
         return worth
 
     def choose(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from vllm.logger import init_logger
 
 from vllm_retrieval_spec.datastores.dense import open_dense_datastore_for_model
 from vllm_retrieval_spec.drafts import SOURCE_DENSE
@@ -14,6 +15,8 @@ from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -46,6 +49,17 @@ class DReSDProposer(DraftProposer):
         self.params = RestParams.from_options(options, chain_len=budget, top_k=top_k, use_datastore=False,
                                               cont_len=max(1, self.store.value_tokens - 1))
         self.last_drafts: DenseDrafts | None = None
+        self.place_index(vllm_config)
+        self.store.warm_up(options.dense_neighbours)
+
+    def place_index(self, vllm_config: VllmConfig) -> None:
+        """The FAISS index on the runner's GPU when faiss-gpu is installed (CPU otherwise)."""
+        device = vllm_config.device_config.device
+        if getattr(device, "type", str(device)) != "cuda":
+            return
+        index = device.index if getattr(device, "index", None) is not None else 0
+        where = f"GPU {index}" if self.store.use_gpu(index) else "the CPU (install faiss-gpu for GPU search)"
+        logger.info("DReSD: searching %s on %s", self.store.path, where)
 
     def needs_hidden_states(self) -> bool:
         return True
