@@ -304,6 +304,10 @@ def test_command_line_build_dense(model_dir, short_input, tmp_path):
     assert again.returncode == 2 and f"{out} already exists; pass --replace" in again.stderr
     both = subprocess.run([*command, "--recipe", "python-code-dense"], capture_output=True, text=True, timeout=300)
     assert both.returncode == 2 and "give either --recipe NAME or --input PATH" in both.stderr
+    inspect = subprocess.run([sys.executable, "-m", "vllm_retrieval_spec.cli", "datastore", "inspect", str(out),
+                              "--full"], capture_output=True, text=True, timeout=120)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "dense datastore" in inspect.stdout and "index flat" in inspect.stdout and "checksums: ok" in inspect.stdout
 
 
 def test_the_index_stays_on_the_cpu_without_faiss_gpu(store_dir, model_dir):

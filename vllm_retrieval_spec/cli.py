@@ -187,10 +187,17 @@ def _datastore_build_dense(args: argparse.Namespace) -> None:
 
 def _datastore_inspect(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores import TokenDatastore
+    from vllm_retrieval_spec.datastores.dense import DenseDatastore
+    from vllm_retrieval_spec.datastores.dense_format import is_dense_datastore
 
-    store = TokenDatastore.open(args.path)
-    print(store.describe())
-    print("  quick checks: ok (document separators, sampled suffix order)")
+    if is_dense_datastore(args.path):
+        store = DenseDatastore.open(args.path)
+        print(store.describe())
+        print("  checks: ok (transform finite, token ids in the vocabulary, index matches the manifest)")
+    else:
+        store = TokenDatastore.open(args.path)
+        print(store.describe())
+        print("  quick checks: ok (document separators, sampled suffix order)")
     if args.full:
         store.check_fully()
         print("  checksums: ok")
@@ -246,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
 
-    datastore = commands.add_parser("datastore", help="build or inspect REST datastores")
+    datastore = commands.add_parser("datastore", help="build or inspect REST and dense (DReSD) datastores")
     datastore_commands = datastore.add_subparsers(dest="datastore_command", required=True)
     build = datastore_commands.add_parser("build", help="tokenize inputs and build the suffix array")
     build.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory to tokenize with")

@@ -18,6 +18,8 @@ A dense datastore directory holds:
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,15 @@ class DenseManifest:
         if self.index.type not in INDEX_TYPES:
             raise DENSE_DATASTORE.fail(f"{where}: index type {self.index.type!r} is not one of "
                                        f"{', '.join(INDEX_TYPES)}")
+
+
+def is_dense_datastore(directory: str | Path) -> bool:
+    """Whether ``directory``'s manifest is a dense (DReSD) store's (it has a hidden size)."""
+    try:
+        raw = json.loads((Path(directory) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "hidden_size" in raw
 
 
 def refuse_another_model(path: Path, built: ModelIdentity, expected: ModelIdentity) -> None:
