@@ -19,7 +19,6 @@ A dense datastore directory holds:
 from __future__ import annotations
 
 import json
-
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
