@@ -81,6 +81,8 @@ CONFIGS: dict[str, dict] = {
     "dresd_k8": _ours("DReSDProposer", 8),
     "dresd_alone_k8": _ours("DReSDProposer", 8, use_context=False),
     "dresd_tree_k16": _ours("DReSDProposer", 16, tree=True),
+    # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
+    "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 from vllm_retrieval_spec.evaluation.load import (
     LoadRequest,
     LoadSettings,
+    MemoryWatch,
     RequestResult,
     count_differences,
     format_table,
@@ -71,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-ids", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for token ids (vLLM's return_token_ids); --no-token-ids compares text")
     parser.add_argument("--compare-to", help="reference server (URL or --serve config) for greedy outputs")
+    parser.add_argument("--watch-memory", type=int, default=0, metavar="N",
+                        help="sample the engine processes' RSS every N finished requests (0: off)")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent to each server before measuring")
     parser.add_argument("--seed", type=int, default=0, help="of synthetic prompts and arrival times")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
@@ -152,9 +155,15 @@ def benchmark_server(label: str, url: str, requests: list[LoadRequest], args: ar
         run_load_sync(url, requests[: args.warmup], settings_for(args, model, 1), progress=False)
     rows = []
     for concurrency, rate in itertools.product(args.concurrency, args.request_rate):
+        watch = MemoryWatch(args.watch_memory) if args.watch_memory else None
         run = run_load_sync(url, requests, settings_for(args, model, concurrency, rate),
-                            label=f"{label} c={concurrency}" + ("" if math.isinf(rate) else f" r={rate:g}"))
+                            label=f"{label} c={concurrency}" + ("" if math.isinf(rate) else f" r={rate:g}"),
+                            on_finished=watch)
         row = {"server": label, "url": url, **summarize_run(run)}
+        if watch is not None:
+            row["engine_rss"] = memory = watch.report()
+            print(f"{label} c={concurrency}: engine RSS (requests, MiB) {memory['rss_mib']}; growth from "
+                  f"request {memory['after']}: {memory['growth']}")
         if reference is not None:
             row["compare"] = count_differences(run.results, reference)
         rows.append(row)

@@ -18,10 +18,12 @@ import httpx
 import openai
 import pytest
 
+from vllm_retrieval_spec.evaluation import load
 from vllm_retrieval_spec.evaluation.load import (
     LoadRequest,
     LoadRun,
     LoadSettings,
+    MemoryWatch,
     RequestResult,
     arrival_times,
     count_differences,
@@ -260,3 +262,14 @@ def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_s
     [row] = json.loads(out.read_text())["results"]
     assert row["completed"] == 200 and row["errors"] == {}
     assert row["compare"]["compared"] == 200 and row["compare"]["differing"] == 0
+
+
+def test_memory_watch_samples_every_n_requests_and_reports_growth(monkeypatch):
+    rss = iter([100, 200, 210, 220, 231])
+    monkeypatch.setattr(load, "engine_rss_bytes", lambda: next(rss) << 20)
+    watch = MemoryWatch(every=100)
+    for finished in range(1, 501):
+        watch(finished)
+    report = watch.report(after=200)
+    assert report["rss_mib"] == [[100, 100.0], [200, 200.0], [300, 210.0], [400, 220.0], [500, 231.0]]
+    assert report["growth"] == pytest.approx(231 / 200 - 1)

@@ -12,8 +12,8 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,9 +255,10 @@ async def send_request(client: AsyncOpenAI, index: int, request: LoadRequest, se
 
 
 async def run_load(base_url: str, requests: Sequence[LoadRequest], settings: LoadSettings,
-                   label: str = "", progress: bool = True) -> LoadRun:
+                   label: str = "", progress: bool = True,
+                   on_finished: Callable[[int], None] | None = None) -> LoadRun:
     """Send every request, at most ``settings.concurrency`` in flight, each no earlier than its
-    arrival time; a tqdm bar counts finished requests."""
+    arrival time; a tqdm bar counts finished requests (``on_finished`` gets their count)."""
     from tqdm.auto import tqdm
 
     client = async_openai_client(base_url, settings.timeout_s)
@@ -270,6 +271,8 @@ async def run_load(base_url: str, requests: Sequence[LoadRequest], settings: Loa
         async with gate:
             result = await send_request(client, index, request, settings)
         bar.update()
+        if on_finished is not None:
+            on_finished(bar.n)
         return result
 
     arrivals = arrival_times(len(requests), settings.request_rate, settings.seed)
@@ -282,9 +285,44 @@ async def run_load(base_url: str, requests: Sequence[LoadRequest], settings: Loa
 
 
 def run_load_sync(base_url: str, requests: Sequence[LoadRequest], settings: LoadSettings,
-                  label: str = "", progress: bool = True) -> LoadRun:
+                  label: str = "", progress: bool = True,
+                  on_finished: Callable[[int], None] | None = None) -> LoadRun:
     """:func:`run_load` in a fresh event loop."""
-    return asyncio.run(run_load(base_url, requests, settings, label, progress))
+    return asyncio.run(run_load(base_url, requests, settings, label, progress, on_finished))
+
+
+# --- Engine memory ----------------------------------------------------------------------------
+
+
+def engine_rss_bytes() -> int:
+    """Resident memory of this machine's vLLM engine-core processes (titled ``VLLM::EngineCore``)."""
+    import psutil
+
+    total = 0
+    for process in psutil.process_iter(["cmdline", "memory_info"]):
+        command = " ".join(process.info["cmdline"] or ())
+        if "EngineCore" in command and process.info["memory_info"] is not None:
+            total += process.info["memory_info"].rss
+    return total
+
+
+@dataclass
+class MemoryWatch:
+    """Engine RSS sampled every ``every`` finished requests of a run (a leak shows as growth)."""
+
+    every: int
+    samples: list[tuple[int, int]] = field(default_factory=list)
+
+    def __call__(self, finished: int) -> None:
+        if finished % self.every == 0:
+            self.samples.append((finished, engine_rss_bytes()))
+
+    def report(self, after: int = 200) -> dict[str, Any]:
+        """Samples in MiB and the growth from the first sample at or after ``after`` requests."""
+        later = [rss for finished, rss in self.samples if finished >= after]
+        growth = later[-1] / later[0] - 1.0 if len(later) >= 2 and later[0] else None
+        return {"every": self.every, "after": after, "growth": growth,
+                "rss_mib": [[finished, round(rss / 2**20, 1)] for finished, rss in self.samples]}
 
 
 def served_model(base_url: str) -> str:
