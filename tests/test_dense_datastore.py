@@ -318,3 +318,15 @@ def test_the_index_stays_on_the_cpu_without_faiss_gpu(store_dir, model_dir):
         assert store.use_gpu(0) and "Gpu" in type(store.index).__name__
     else:
         assert not store.use_gpu(0) and type(store.index).__name__ == "IndexFlatIP" and store.gpu_resources is None
+
+
+def test_a_search_leaves_the_callers_openmp_threads_alone(store_dir, model_dir):
+    """torch's forward passes share the calling thread's OpenMP setting with FAISS."""
+    store = open_dense_datastore_for_model(str(store_dir), model_dir, num_threads=2)
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        store.search(np.zeros((3, store.hidden_size), np.float32), 4)
+        assert faiss.omp_get_max_threads() == 1
+    finally:
+        faiss.omp_set_num_threads(before)

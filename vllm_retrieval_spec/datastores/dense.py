@@ -3,7 +3,6 @@ memory-mapped read-only, the FAISS index memory-mapped where FAISS allows it."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -66,7 +65,7 @@ class DenseDatastore:
     transform: DenseTransform
     values: np.ndarray
     index: Any  # faiss.Index
-    num_threads: int
+    num_threads: int | None  # None: the process's OpenMP setting (the one torch uses)
     gpu_resources: Any = None  # faiss.StandardGpuResources once the index lives on a GPU
 
     @classmethod
@@ -75,7 +74,8 @@ class DenseDatastore:
         """Open ``path``; fail naming the file and the fix when anything is missing, truncated or
         inconsistent (shapes, dtypes, token ids >= the vocabulary, index size), and naming both
         models when it was built for another model or tokenizer than ``model_identity``.
-        ``nprobe`` overrides the manifest's (IVF); ``num_threads``: FAISS threads (default: all)."""
+        ``nprobe`` overrides the manifest's (IVF); ``num_threads``: FAISS threads during a search
+        (default: the process's OpenMP setting, which torch shares)."""
         path = Path(path)
         manifest = DenseManifest.read(path)
         if model_identity is not None:
@@ -93,7 +93,7 @@ class DenseDatastore:
             values=map_array(path / VALUES, np.int32, (manifest.num_positions, manifest.value_tokens),
                              DENSE_DATASTORE),
             index=_read_index(path / INDEX, manifest),
-            num_threads=num_threads or len(os.sched_getaffinity(0)),
+            num_threads=num_threads,
         )
         store.check_transform()
         store.check_values()
@@ -140,21 +140,32 @@ class DenseDatastore:
         in one FAISS call: scores ``[B, k]`` float32 (best first) and value rows ``[B, k, N]``
         int32. Slots without a neighbour (an IVF probe found fewer than ``k``) score
         :data:`MISSING_SCORE` with values -1."""
-        import faiss
-
         states = np.asarray(hidden_states)
         if states.ndim != 2 or states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [batch, {self.hidden_size}], got {list(states.shape)}")
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        faiss.omp_set_num_threads(self.num_threads)
-        scores, labels = self.index.search(self.transform.apply(states), k)
+        scores, labels = self.search_keys(self.transform.apply(states), k)
         found = labels >= 0
         values = np.asarray(self.values[np.where(found, labels, 0)])
         if not found.all():
             values[~found] = -1
             scores[~found] = MISSING_SCORE
         return scores, values
+
+    def search_keys(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS's search with ``num_threads`` OpenMP threads, the caller's setting restored after
+        (it is the calling thread's, and torch's forward passes share it)."""
+        import faiss
+
+        if self.num_threads is None:
+            return self.index.search(keys, k)
+        before = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.num_threads)
+        try:
+            return self.index.search(keys, k)
+        finally:
+            faiss.omp_set_num_threads(before)
 
     def check_transform(self) -> None:
         """Fail naming the file when a transform array holds NaN/inf, or a ``std`` is not positive."""
