@@ -177,6 +177,9 @@ def test_ivf_is_chosen_above_the_flat_threshold(model_dir, model, short_input, t
     positions = np.arange(8, 400, 23)
     _, values = store.search(own_states(model, corpus, 0, positions), k=2)
     np.testing.assert_array_equal(values[:, 0], expected_values(corpus, 0, positions))
+    if hasattr(faiss, "IO_FLAG_MMAP_IFC"):  # the lists are mapped in place, shared between processes
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        assert any(line.split()[1].endswith("s") and line.endswith(str(out / "index.faiss")) for line in maps)
 
 
 def copy_model_files(model_dir: Path, target: Path) -> Path:
