@@ -42,8 +42,11 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
 from vllm_retrieval_spec.evaluation.metrics import summarize  # noqa: E402
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+INDIST_STORE = cache_root() / "datastores" / "stdlib-answers"
+INDIST_DENSE_STORE = cache_root() / "dense-datastores" / "stdlib-answers-dense"
 
 
 def _ours(proposer: str, k: int, **options) -> dict:
@@ -83,6 +86,12 @@ CONFIGS: dict[str, dict] = {
     "dresd_tree_k16": _ours("DReSDProposer", 16, tree=True),
     # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
     "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
+    # In-distribution stores: the model's own answers to standard-library prompts, built by the
+    # README's `datastore from-server` command into the cache (INDIST_STORE, INDIST_DENSE_STORE).
+    "rest_indist_k8": _ours("RestProposer", 8, datastore=str(INDIST_STORE)),
+    "rest_datastore_indist_k8": _ours("RestProposer", 8, use_context=False, datastore=str(INDIST_STORE)),
+    "dresd_indist_k8": _ours("DReSDProposer", 8, dense_datastore=str(INDIST_DENSE_STORE)),
+    "dresd_alone_indist_k8": _ours("DReSDProposer", 8, use_context=False, dense_datastore=str(INDIST_DENSE_STORE)),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

@@ -7,7 +7,8 @@
 - ``demo``: the README's main job — serve the real model with and without our proposer,
   answer prompts through the OpenAI client and compare acceptance and speed.
 - ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
-  (or a recipe in ``datastores/``), and check one.
+  (or a recipe in ``datastores/``), and check one; ``build-dense``: a DReSD store;
+  ``from-server``: stores from a running server's answers to a prompt file.
 - ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
 
@@ -171,18 +172,19 @@ def _datastore_build(args: argparse.Namespace) -> None:
         include = tuple(args.include or ["*"])
         inputs = [InputSpec(Path(p), include, tuple(args.exclude or ()), args.text_field) for p in args.input]
         out = Path(args.out)
-    report = build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra)
-    print(f"built {report.path}: {report.num_tokens:,} tokens, {report.num_documents:,} documents from "
-          f"{report.files_read:,} file(s) ({report.files_skipped:,} binary skipped) in "
-          f"{report.seconds:.1f} s ({report.tokens_per_second / 1e6:.2f}M tokens/s; tokenize "
-          f"{report.tokenize_seconds:.1f} s, sort {report.sort_seconds:.1f} s), "
-          f"{report.bytes_per_token:.2f} bytes/token")
+    print(build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra).describe())
 
 
 def _datastore_build_dense(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores.dense_cli import run_build_dense
 
     run_build_dense(args)
+
+
+def _datastore_from_server(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores.from_server import run_from_server
+
+    run_from_server(args)
 
 
 def _datastore_inspect(args: argparse.Namespace) -> None:
@@ -277,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         "build-dense", help="DReSD: index the model's hidden states over the inputs (FAISS) with their next tokens")
     add_build_dense_arguments(build_dense)
     build_dense.set_defaults(handler=_datastore_build_dense)
+    from vllm_retrieval_spec.datastores.from_server import add_from_server_arguments
+
+    from_server = datastore_commands.add_parser(
+        "from-server", help="in-distribution stores: a prompt file answered by a running server, then built")
+    add_from_server_arguments(from_server)
+    from_server.set_defaults(handler=_datastore_from_server)
 
     ngram_table = commands.add_parser("ngram-table", help="N-Grammys: model-derived n-gram tables")
     ngram_commands = ngram_table.add_subparsers(dest="ngram_command", required=True)

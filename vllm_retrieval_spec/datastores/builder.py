@@ -58,6 +58,13 @@ class BuildReport:
     def bytes_per_token(self) -> float:
         return self.bytes_on_disk / max(self.num_tokens, 1)
 
+    def describe(self) -> str:
+        """One line: what was built, from what, how fast and how big."""
+        return (f"built {self.path}: {self.num_tokens:,} tokens, {self.num_documents:,} documents from "
+                f"{self.files_read:,} file(s) ({self.files_skipped:,} binary skipped) in {self.seconds:.1f} s "
+                f"({self.tokens_per_second / 1e6:.2f}M tokens/s; tokenize {self.tokenize_seconds:.1f} s, sort "
+                f"{self.sort_seconds:.1f} s), {self.bytes_per_token:.2f} bytes/token")
+
 
 def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerFast:
     """The fast tokenizer of a model directory."""

@@ -1,0 +1,165 @@
+"""``datastore from-server``: prompts answered by a server (retries, resuming), transcripts, and
+the stores built from them, against a scripted OpenAI-compatible server and the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from vllm_retrieval_spec.datastores import TokenDatastore, from_server
+from vllm_retrieval_spec.datastores.builder import load_tokenizer
+from vllm_retrieval_spec.datastores.dense import DenseDatastore
+from vllm_retrieval_spec.datastores.from_server import AskSettings, answered, collect_transcripts, read_prompt_file
+from vllm_retrieval_spec.evaluation.server import VllmServer, free_port
+
+PROMPTS = [{"prompt": "def add(a, b):\n"}, {"messages": [{"role": "user", "content": "Say hi."}]},
+           {"prompt": "def sub(a, b):\n"}]
+
+
+class ScriptedServer:
+    """/v1/completions and /v1/chat/completions answering ``ANSWER:<prompt>``; ``failures``
+    maps a prompt's text to the HTTP statuses its next requests get before an answer."""
+
+    def __init__(self, failures: dict[str, list[int]] | None = None) -> None:
+        self.failures = {text: list(statuses) for text, statuses in (failures or {}).items()}
+        self.requests: Counter[str] = Counter()
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        self.requests[text] += 1
+        if self.failures.get(text):
+            return web.json_response({"error": {"message": "scripted"}}, status=self.failures[text].pop(0))
+        usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+        if "prompt" in body:
+            choice = {"index": 0, "text": f"ANSWER:{text}", "finish_reason": "stop", "logprobs": None}
+            return web.json_response({"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                                      "choices": [choice], "usage": usage})
+        message = {"role": "assistant", "content": f"ANSWER:{text}"}
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                                  "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                                  "usage": usage})
+
+    async def run(self, work):
+        """Serve while ``work(url)`` runs; its result."""
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._answer)
+        app.router.add_post("/v1/chat/completions", self._answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            return await work(f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+
+
+@pytest.fixture()
+def prompt_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    monkeypatch.setattr(from_server, "RETRY_BASE_SECONDS", 0.0)
+
+
+def collect(server: ScriptedServer, prompt_file: Path, transcripts: Path, retries: int = 3):
+    records = read_prompt_file(prompt_file)
+    settings = AskSettings(model="m", max_tokens=8, concurrency=2, retries=retries)
+    return asyncio.run(server.run(lambda url: collect_transcripts(url, records, transcripts, settings,
+                                                                  progress=False)))
+
+
+def test_transcripts_hold_the_conversation_or_the_text_with_the_answer(prompt_file, tmp_path):
+    transcripts = tmp_path / "t.jsonl"
+    report = collect(ScriptedServer(), prompt_file, transcripts)
+    assert (report.answered, report.failed, report.output_tokens) == (3, 0, 6)
+    lines = sorted((json.loads(line) for line in transcripts.read_text().splitlines()), key=lambda r: r["index"])
+    assert lines[0]["text"] == "def add(a, b):\nANSWER:def add(a, b):\n"
+    assert lines[1]["messages"] == [{"role": "user", "content": "Say hi."},
+                                    {"role": "assistant", "content": "ANSWER:Say hi."}]
+
+
+def test_server_errors_are_retried_and_client_errors_are_not(prompt_file, tmp_path):
+    server = ScriptedServer({"def add(a, b):\n": [500, 503], "def sub(a, b):\n": [400]})
+    report = collect(server, prompt_file, tmp_path / "t.jsonl")
+    assert server.requests["def add(a, b):\n"] == 3 and server.requests["def sub(a, b):\n"] == 1
+    assert (report.answered, report.failed) == (2, 1) and "BadRequestError" in report.first_error
+
+
+def test_a_rerun_asks_only_what_is_missing(prompt_file, tmp_path):
+    transcripts = tmp_path / "t.jsonl"
+    collect(ScriptedServer({"Say hi.": [500] * 5}), prompt_file, transcripts, retries=1)
+    with transcripts.open("a") as out:
+        out.write('{"index": 2, "key": "torn')  # a run killed while writing
+    server = ScriptedServer()
+    report = collect(server, prompt_file, transcripts)
+    assert (report.already, report.answered) == (2, 1) and set(server.requests) == {"Say hi."}
+    assert len(answered(transcripts)) == 3
+
+
+def test_a_changed_prompt_is_asked_again(prompt_file, tmp_path):
+    transcripts = tmp_path / "t.jsonl"
+    collect(ScriptedServer(), prompt_file, transcripts)
+    prompt_file.write_text(prompt_file.read_text().replace("def sub", "def mul"))
+    server = ScriptedServer()
+    assert collect(server, prompt_file, transcripts).answered == 1 and set(server.requests) == {"def mul(a, b):\n"}
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", r"prompts.jsonl:2 is not valid JSON"),
+    ('{"text": "x"}', r"prompts.jsonl:2 is neither form; give a JSON object with \"messages\""),
+])
+def test_a_bad_prompt_line_is_named(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(PROMPTS[0]) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_prompt_file(path)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_retrieval_spec.cli", "datastore", "from-server", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_an_unreachable_server_is_one_line_naming_the_url(model_dir, prompt_file, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    done = cli("--url", url, "--prompts", str(prompt_file), "--out", str(tmp_path / "s"), "--model", str(model_dir))
+    assert done.returncode == 2 and f"--url {url}: no OpenAI-compatible server answers" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "s").exists()
+
+
+def test_stores_from_the_real_servers_answers(model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in [
+        {"prompt": "def is_even(n):\n    \"\"\"Return True when n is even.\"\"\"\n"},
+        {"prompt": "def reverse(s):\n    \"\"\"Return s reversed.\"\"\"\n"},
+        {"messages": [{"role": "user", "content": "Write a Python function that squares a number."}]},
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    ]))
+    out = tmp_path / "store"
+    with VllmServer(model_dir) as server:
+        done = cli("--url", server.base_url, "--prompts", str(prompts), "--out", str(out), "--model", str(model_dir),
+                   "--max-tokens", "24", "--dense", "--concurrency", "4")
+    assert done.returncode == 0, done.stderr
+    transcripts = [json.loads(line) for line in (tmp_path / "store.transcripts.jsonl").read_text().splitlines()]
+    assert len(transcripts) == 4
+    store = TokenDatastore.open(out)
+    answer = next(t["text"] for t in transcripts if "text" in t)
+    ids = np.asarray(load_tokenizer(model_dir)(answer, add_special_tokens=False).input_ids[:12])
+    tokens = np.asarray(store.tokens)
+    assert any((tokens[i:i + len(ids)] == ids).all() for i in np.flatnonzero(tokens == ids[0]))
+    dense = DenseDatastore.open(tmp_path / "store-dense")
+    assert dense.num_positions > 64 and "built" in done.stdout

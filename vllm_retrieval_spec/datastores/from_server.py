@@ -1,0 +1,280 @@
+"""In-distribution datastores in one command: a prompt file answered by any running
+OpenAI-compatible server (the asynchronous client, retries, a progress bar), the prompt + answer
+transcripts appended to a JSONL file as they arrive (a rerun asks only what is missing), then a
+REST store, and with ``--dense`` a DReSD store, built from those transcripts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+RETRY_BASE_SECONDS = 0.5  # waits 0.5, 1, 2, ... seconds between tries
+ACCEPTED_FORMS = 'a JSON object with "messages" (a list of chat messages) or "prompt" (a string)'
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One line of the prompt file: chat ``messages`` or a raw ``prompt``; ``key`` hashes it."""
+
+    index: int
+    key: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+
+    def transcript(self, answer: str) -> dict[str, Any]:
+        """The record a datastore is built from: the conversation with the answer, or the text."""
+        head = {"index": self.index, "key": self.key}
+        if self.messages is not None:
+            return head | {"messages": [*self.messages, {"role": "assistant", "content": answer}]}
+        return head | {"text": f"{self.prompt}{answer}"}
+
+
+def read_prompt_file(path: Path) -> list[PromptRecord]:
+    """Every non-empty line of ``path``; a bad one fails naming ``path:line`` and the forms."""
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--prompts {path}: cannot be read ({error}); give a UTF-8 JSONL file") from error
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            records.append(_prompt_record(path, number, line, len(records)))
+    if not records:
+        raise ValueError(f"--prompts {path} holds no prompts; give one {ACCEPTED_FORMS} per line")
+    return records
+
+
+def _prompt_record(path: Path, number: int, line: str, index: int) -> PromptRecord:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{number} is not valid JSON ({error}); give {ACCEPTED_FORMS} per line") from error
+    key = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    if isinstance(data, dict) and isinstance(data.get("messages"), list) and data["messages"]:
+        return PromptRecord(index, key, messages=data["messages"])
+    if isinstance(data, dict) and isinstance(data.get("prompt"), str):
+        return PromptRecord(index, key, prompt=data["prompt"])
+    raise ValueError(f"{path}:{number} is neither form; give {ACCEPTED_FORMS} per line")
+
+
+def answered(transcripts: Path) -> set[tuple[int, str]]:
+    """``(index, key)`` of the prompts already answered in ``transcripts`` (a torn last line,
+    from a run that was killed while writing, is ignored and asked again)."""
+    if not transcripts.is_file():
+        return set()
+    done = set()
+    for line in transcripts.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            done.add((int(record["index"]), str(record["key"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return done
+
+
+@dataclass(frozen=True)
+class AskSettings:
+    """How prompts are sent: the served model, answer length, temperature, concurrency, retries."""
+
+    model: str
+    max_tokens: int = 256
+    temperature: float = 0.0
+    concurrency: int = 8
+    retries: int = 3
+    timeout_s: float = 600.0
+
+
+@dataclass
+class CollectReport:
+    """What one run asked, got and failed (the first failure's reason kept)."""
+
+    total: int
+    already: int
+    answered: int = 0
+    failed: int = 0
+    first_error: str | None = None
+    output_tokens: int = 0
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Connection problems, timeouts, 429 and 5xx are retried; other HTTP errors are not."""
+    import openai
+
+    if isinstance(error, (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError)):
+        return True
+    return isinstance(error, openai.APIStatusError) and error.status_code >= 500
+
+
+async def ask(client: AsyncOpenAI, record: PromptRecord, settings: AskSettings,
+              sleep: Callable[[float], Any] = asyncio.sleep) -> tuple[str, int]:
+    """The answer to one prompt and its token count, retried ``settings.retries`` times."""
+    for attempt in range(settings.retries + 1):
+        try:
+            return await _complete(client, record, settings)
+        except Exception as error:
+            if attempt == settings.retries or not is_retryable(error):
+                raise
+            await sleep(RETRY_BASE_SECONDS * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+async def _complete(client: AsyncOpenAI, record: PromptRecord, settings: AskSettings) -> tuple[str, int]:
+    common = {"model": settings.model, "max_tokens": settings.max_tokens, "temperature": settings.temperature}
+    if record.messages is not None:
+        reply = await client.chat.completions.create(messages=record.messages, **common)
+        text = reply.choices[0].message.content or ""
+    else:
+        reply = await client.completions.create(prompt=record.prompt, **common)
+        text = reply.choices[0].text
+    return text, reply.usage.completion_tokens if reply.usage else 0
+
+
+async def collect_transcripts(url: str, records: Sequence[PromptRecord], transcripts: Path, settings: AskSettings,
+                              progress: bool = True) -> CollectReport:
+    """Ask every prompt not yet in ``transcripts``, at most ``settings.concurrency`` at a time,
+    appending each answer's transcript (flushed) as soon as it arrives."""
+    from openai import AsyncOpenAI
+    from tqdm.auto import tqdm
+
+    done = answered(transcripts)
+    pending = [r for r in records if (r.index, r.key) not in done]
+    report = CollectReport(total=len(records), already=len(records) - len(pending))
+    client = AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="not-needed", timeout=settings.timeout_s,
+                         max_retries=0)
+    gate = asyncio.Semaphore(settings.concurrency)
+    bar = tqdm(total=len(pending), desc="answers", unit="answer", disable=not progress)
+    transcripts.parent.mkdir(parents=True, exist_ok=True)
+    with transcripts.open("a", encoding="utf-8") as out:
+        if _ends_torn(transcripts):
+            out.write("\n")  # the torn line of a killed run stays alone on its line
+
+        async def one(record: PromptRecord) -> None:
+            async with gate:
+                try:
+                    answer, tokens = await ask(client, record, settings)
+                except Exception as error:
+                    report.failed += 1
+                    report.first_error = report.first_error or f"prompt {record.index}: {_reason(error)}"
+                    return
+            out.write(json.dumps(record.transcript(answer), ensure_ascii=False) + "\n")
+            out.flush()
+            report.answered += 1
+            report.output_tokens += tokens
+            bar.update()
+            bar.set_postfix(tok_s=f"{report.output_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+
+        try:
+            await asyncio.gather(*(one(r) for r in pending))
+        finally:
+            bar.close()
+            await client.close()
+    return report
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether ``path`` is non-empty and its last line has no newline."""
+    with path.open("rb") as handle:
+        if handle.seek(0, 2) == 0:
+            return False
+        handle.seek(-1, 2)
+        return handle.read(1) != b"\n"
+
+
+def _reason(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
+def served_model_name(url: str) -> str:
+    """The first model the server lists; a clear error when the server cannot be reached."""
+    import openai
+
+    try:
+        return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="not-needed", timeout=30,
+                             max_retries=2).models.list().data[0].id
+    except (openai.APIError, IndexError) as error:
+        raise ValueError(f"--url {url}: no OpenAI-compatible server answers /v1/models ({_reason(error)}); "
+                         "start one (vllm-retrieval-spec serve MODEL) or fix the URL") from error
+
+
+# --- The command ------------------------------------------------------------------------------
+
+
+@dataclass
+class FromServerPlan:
+    """Where the transcripts and the stores go."""
+
+    out: Path
+    transcripts: Path
+    dense_out: Path | None = None
+
+
+def add_from_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``datastore from-server``."""
+    parser.add_argument("--url", required=True, help="base URL of a running OpenAI-compatible server")
+    parser.add_argument("--prompts", required=True, type=Path,
+                        help='JSONL: one {"messages": [...]} or {"prompt": "..."} per line')
+    parser.add_argument("--out", required=True, type=Path, help="REST datastore directory to build")
+    parser.add_argument("--model", required=True, help="model directory (tokenizer, chat template; "
+                        "with --dense the model whose hidden states are the keys)")
+    parser.add_argument("--dense", action="store_true", help="also build a dense (DReSD) store")
+    parser.add_argument("--dense-out", type=Path, help="dense store directory (default: OUT-dense)")
+    parser.add_argument("--transcripts", type=Path,
+                        help="answers JSONL, appended as they arrive; a rerun resumes (default: OUT.transcripts.jsonl)")
+    parser.add_argument("--model-name", help="served model name (default: the server's first)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="answer length (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--retries", type=int, default=3, help="tries after a connection error, 429 or 5xx")
+    parser.add_argument("--replace", action="store_true", help="rebuild existing stores (our stores only)")
+
+
+def run_from_server(args: argparse.Namespace) -> None:
+    """Collect the answers, then build the store(s) from the transcripts."""
+    from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE
+    from vllm_retrieval_spec.datastores.format import DATASTORE
+    from vllm_retrieval_spec.storage import check_build_target
+
+    if args.concurrency < 1 or args.max_tokens < 1 or args.retries < 0:
+        raise ValueError("datastore from-server: --concurrency and --max-tokens must be >= 1, --retries >= 0")
+    plan = FromServerPlan(args.out, args.transcripts or args.out.with_name(f"{args.out.name}.transcripts.jsonl"),
+                          (args.dense_out or args.out.with_name(f"{args.out.name}-dense")) if args.dense else None)
+    records = read_prompt_file(args.prompts)
+    check_build_target(plan.out, args.replace, DATASTORE)  # before minutes of answers
+    if plan.dense_out is not None:
+        check_build_target(plan.dense_out, args.replace, DENSE_DATASTORE)
+    settings = AskSettings(args.model_name or served_model_name(args.url), args.max_tokens, args.temperature,
+                           args.concurrency, args.retries)
+    report = asyncio.run(collect_transcripts(args.url, records, plan.transcripts, settings))
+    print(f"{plan.transcripts}: {report.answered} answered now, {report.already} before, {report.failed} failed "
+          f"of {report.total} prompts")
+    if report.failed:
+        raise ValueError(f"{report.failed} prompt(s) got no answer ({report.first_error}); rerun the same command "
+                         "to ask only those")
+    build_stores(args, plan)
+
+
+def build_stores(args: argparse.Namespace, plan: FromServerPlan) -> None:
+    """The REST store, and the dense one, from the transcripts."""
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    inputs = [InputSpec(plan.transcripts)]
+    extra = {"from_server": {"url": args.url, "prompts": str(args.prompts), "max_tokens": args.max_tokens,
+                             "temperature": args.temperature}}
+    print(build_datastore(args.model, inputs, plan.out, replace=args.replace, extra_build_info=extra).describe())
+    if plan.dense_out is not None:
+        from vllm_retrieval_spec.datastores.dense_builder import build_dense_datastore
+        from vllm_retrieval_spec.datastores.dense_cli import describe_build
+
+        report = build_dense_datastore(args.model, inputs, plan.dense_out, replace=args.replace,
+                                       extra_build_info=extra)
+        print(describe_build(report))
