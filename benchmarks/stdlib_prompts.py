@@ -1,7 +1,9 @@
-"""Prompts for in-distribution datastores, disjoint from HumanEval and offline: functions of the
-CPython standard library that have a docstring, cut to what a HumanEval prompt looks like (the
-signature and the docstring; the body left for the model), raw or chat-wrapped exactly as the
-benchmarks wrap HumanEval. Functions named like a HumanEval entry point are left out.
+"""Prompts for in-distribution datastores, disjoint from HumanEval and offline: the public
+module-level functions of the public modules of the CPython standard library (tests, ``idlelib``,
+``lib2to3``, ``turtledemo``, ``site-packages`` and ``_private`` paths left out) with a docstring of
+at least 40 characters, cut to what a HumanEval prompt looks like (the signature and the
+docstring; the body left for the model), raw or chat-wrapped exactly as the benchmarks wrap
+HumanEval. Functions named like a HumanEval entry point are left out; ``--seed`` picks the sample.
 
     python benchmarks/stdlib_prompts.py --count 200 --form both --out benchmarks/prompts/stdlib.jsonl
 
@@ -16,50 +18,72 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import random
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_retrieval_spec.evaluation.prompts import CHAT_INSTRUCTION, humaneval_problems
+from vllm_retrieval_spec.evaluation.prompts import code_chat_messages, humaneval_problems
 
 SKIPPED_DIRECTORIES = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
 MIN_DOCSTRING_CHARS = 40
 
 
-def stdlib_functions(stdlib: Path) -> Iterator[tuple[str, str]]:
-    """``(name, prompt)`` of every public function with a docstring, in path order."""
-    for path in sorted(stdlib.rglob("*.py")):
-        if SKIPPED_DIRECTORIES & set(path.relative_to(stdlib).parts[:-1]):
-            continue
+def stdlib_functions(root: Path) -> Iterator[tuple[str, str]]:
+    """``(name, prompt)`` of every public module-level function of the public modules under
+    ``root`` whose docstring has at least ``MIN_DOCSTRING_CHARS`` characters, in walk order."""
+    for path in public_modules(root):
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):  # Python 2 leftovers, bad encodings
             continue
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= MIN_DOCSTRING_CHARS:
+                doc = (ast.get_docstring(node) or "").strip()
+                if len(doc) >= MIN_DOCSTRING_CHARS:
                     yield node.name, signature_and_docstring(node, doc)
 
 
+def public_modules(root: Path) -> Iterator[Path]:
+    """The ``.py`` files under ``root`` whose every path part is a public name (``__init__.py``
+    too), outside ``SKIPPED_DIRECTORIES``: each directory's files, then its subdirectories, sorted."""
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if is_public(d) and d not in SKIPPED_DIRECTORIES)
+        for name in sorted(files):
+            stem, suffix = os.path.splitext(name)
+            if suffix == ".py" and (is_public(stem) or name == "__init__.py"):
+                yield Path(directory, name)
+
+
+def is_public(name: str) -> bool:
+    """Whether ``name`` can be imported and does not start with an underscore."""
+    return name.isidentifier() and not name.startswith("_")
+
+
 def signature_and_docstring(node: ast.FunctionDef, doc: str) -> str:
-    """``def name(args):`` and the docstring, indented, as HumanEval prompts end."""
-    body = "\n".join(f"    {line}" if line else "" for line in doc.splitlines())
-    return f"def {node.name}({ast.unparse(node.args)}):\n    \"\"\"{body.lstrip()}\n    \"\"\"\n"
+    """``def name(args) -> returns:`` and the docstring (escaped so that it reads back the same),
+    indented, as HumanEval prompts end; the body is left for the model."""
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    escaped = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    body = "\n".join(f"    {line}" if line else "" for line in escaped.splitlines())
+    return f'def {node.name}({ast.unparse(node.args)}){returns}:\n    """{body.lstrip()}\n    """\n'
 
 
 def prompt_records(count: int, form: str, seed: int) -> list[dict]:
-    """``count`` sampled functions as ``{"prompt"}`` and/or ``{"messages"}`` records."""
+    """``count`` functions sampled with ``seed`` as ``{"prompt"}`` and/or ``{"messages"}`` records;
+    says how many were left out for a name a HumanEval problem uses."""
     excluded = {problem["entry_point"] for problem in humaneval_problems()}
-    functions = [(n, p) for n, p in stdlib_functions(Path(sysconfig.get_paths()["stdlib"])) if n not in excluded]
-    chosen = random.Random(seed).sample(functions, min(count, len(functions)))
+    found = list(stdlib_functions(Path(sysconfig.get_paths()["stdlib"])))
+    functions = [(name, prompt) for name, prompt in found if name not in excluded]
+    print(f"{len(found)} standard-library functions, {len(found) - len(functions)} named like a HumanEval "
+          "entry point left out")
     records = []
-    for _, prompt in chosen:
+    for _, prompt in random.Random(seed).sample(functions, min(count, len(functions))):
         if form in ("raw", "both"):
             records.append({"prompt": prompt})
         if form in ("chat", "both"):
-            records.append({"messages": [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{prompt}```"}]})
+            records.append({"messages": code_chat_messages(prompt)})
     return records
 
 
@@ -73,7 +97,7 @@ def main() -> None:
     records = prompt_records(args.count, args.form, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    print(f"wrote {args.out}: {len(records)} prompts from {args.count} standard-library functions ({args.form})")
+    print(f"wrote {args.out}: {len(records)} prompts ({args.form})")
 
 
 if __name__ == "__main__":

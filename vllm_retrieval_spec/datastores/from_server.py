@@ -1,7 +1,9 @@
 """In-distribution datastores in one command: a prompt file answered by any running
 OpenAI-compatible server (the asynchronous client, retries, a progress bar), the prompt + answer
 transcripts appended to a JSONL file as they arrive (a rerun asks only what is missing), then a
-REST store, and with ``--dense`` a DReSD store, built from those transcripts."""
+REST store, and with ``--dense`` a DReSD store, built from the current prompts' transcripts (each
+once, in prompt order: a changed prompt's old answer, a repeat and a killed run's torn line stay in
+the file but out of the stores)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import argparse
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
 RETRY_BASE_SECONDS = 0.5  # waits 0.5, 1, 2, ... seconds between tries
-ACCEPTED_FORMS = 'a JSON object with "messages" (a list of chat messages) or "prompt" (a string)'
+ACCEPTED_FORMS = 'a JSON object with "messages" (a list of {"role": str, "content": str}) or "prompt" (a string)'
 
 
 @dataclass(frozen=True)
@@ -59,26 +62,81 @@ def _prompt_record(path: Path, number: int, line: str, index: int) -> PromptReco
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}:{number} is not valid JSON ({error}); give {ACCEPTED_FORMS} per line") from error
     key = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-    if isinstance(data, dict) and isinstance(data.get("messages"), list) and data["messages"]:
+    if isinstance(data, dict) and _are_chat_messages(data.get("messages")):
         return PromptRecord(index, key, messages=data["messages"])
     if isinstance(data, dict) and isinstance(data.get("prompt"), str):
         return PromptRecord(index, key, prompt=data["prompt"])
     raise ValueError(f"{path}:{number} is neither form; give {ACCEPTED_FORMS} per line")
 
 
-def answered(transcripts: Path) -> set[tuple[int, str]]:
-    """``(index, key)`` of the prompts already answered in ``transcripts`` (a torn last line,
-    from a run that was killed while writing, is ignored and asked again)."""
+def _are_chat_messages(messages: object) -> bool:
+    """Whether ``messages`` is a non-empty list of ``{"role": str, "content": str}`` objects."""
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+
+
+def scan_transcripts(transcripts: Path) -> Iterator[tuple[int, tuple[int, str] | None]]:
+    """``(byte offset, (index, key))`` of every non-empty line of ``transcripts``; ``None`` for a
+    line that is no transcript (the torn last line of a run killed while writing)."""
     if not transcripts.is_file():
-        return set()
-    done = set()
-    for line in transcripts.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            done.add((int(record["index"]), str(record["key"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-    return done
+        return
+    offset = 0
+    with transcripts.open("rb") as handle:
+        for line in handle:
+            if line.strip():
+                yield offset, _transcript_id(line)
+            offset += len(line)
+
+
+def _transcript_id(line: bytes) -> tuple[int, str] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str) or type(record.get("index")) is not int:
+        return None
+    if isinstance(record.get("text"), str) or _are_chat_messages(record.get("messages")):
+        return record["index"], record["key"]
+    return None
+
+
+def answered(transcripts: Path) -> set[tuple[int, str]]:
+    """``(index, key)`` of the prompts already answered in ``transcripts`` (a torn line is asked again)."""
+    return {found for _, found in scan_transcripts(transcripts) if found is not None}
+
+
+@dataclass
+class TranscriptSelection:
+    """What of a transcripts file goes into the stores: the byte offset of each current prompt's
+    first transcript, in prompt order; lines skipped as unreadable, and answers left out (of
+    prompts no longer in the prompt file, or repeated)."""
+
+    offsets: list[int]
+    unreadable: int
+    left_out: int
+
+    @classmethod
+    def of(cls, transcripts: Path, records: Sequence[PromptRecord]) -> TranscriptSelection:
+        """The selection of ``transcripts`` for the prompts ``records``."""
+        current = {(r.index, r.key) for r in records}
+        first: dict[tuple[int, str], int] = {}
+        unreadable = left_out = 0
+        for offset, found in scan_transcripts(transcripts):
+            if found is None:
+                unreadable += 1
+            elif found in current and found not in first:
+                first[found] = offset
+            else:
+                left_out += 1
+        return cls([first[found] for found in sorted(first)], unreadable, left_out)
+
+    def write(self, transcripts: Path, out: Path) -> None:
+        """The selected lines of ``transcripts``, one each, into ``out``."""
+        with transcripts.open("rb") as source, out.open("wb") as sink:
+            for offset in self.offsets:
+                source.seek(offset)
+                sink.write(source.readline().rstrip(b"\r\n") + b"\n")
 
 
 @dataclass(frozen=True)
@@ -259,17 +317,24 @@ def run_from_server(args: argparse.Namespace) -> None:
     if report.failed:
         raise ValueError(f"{report.failed} prompt(s) got no answer ({report.first_error}); rerun the same command "
                          "to ask only those")
-    build_stores(args, plan)
+    selection = TranscriptSelection.of(plan.transcripts, records)
+    if selection.unreadable or selection.left_out:
+        print(f"{plan.transcripts}: {selection.unreadable} unreadable line(s) skipped (torn by a killed run), "
+              f"{selection.left_out} answer(s) of changed prompts or repeated left out of the store(s)")
+    with tempfile.TemporaryDirectory(prefix=".from-server-", dir=plan.transcripts.parent) as tmp:
+        current = Path(tmp) / f"{plan.transcripts.stem}.current.jsonl"  # ends .jsonl: read as records
+        selection.write(plan.transcripts, current)
+        build_stores(args, plan, current)
 
 
-def build_stores(args: argparse.Namespace, plan: FromServerPlan) -> None:
-    """The REST store, and the dense one, from the transcripts."""
+def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path) -> None:
+    """The REST store, and the dense one, from ``current``: the current prompts' transcripts."""
     from vllm_retrieval_spec.datastores.builder import build_datastore
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
-    inputs = [InputSpec(plan.transcripts)]
-    extra = {"from_server": {"url": args.url, "prompts": str(args.prompts), "max_tokens": args.max_tokens,
-                             "temperature": args.temperature}}
+    inputs = [InputSpec(current)]
+    extra = {"from_server": {"url": args.url, "prompts": str(args.prompts), "transcripts": str(plan.transcripts),
+                             "max_tokens": args.max_tokens, "temperature": args.temperature}}
     print(build_datastore(args.model, inputs, plan.out, replace=args.replace, extra_build_info=extra).describe())
     if plan.dense_out is not None:
         from vllm_retrieval_spec.datastores.dense_builder import build_dense_datastore

@@ -46,7 +46,9 @@ def humaneval_prompts(
 
 def humaneval_messages(count: int | None = None) -> list[list[dict[str, str]]]:
     """The first ``count`` HumanEval problems as chat ``messages`` (what ``chat`` prompts wrap)."""
-    return [
-        [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{problem['prompt']}```"}]
-        for problem in humaneval_problems()[:count]
-    ]
+    return [code_chat_messages(problem["prompt"]) for problem in humaneval_problems()[:count]]
+
+
+def code_chat_messages(code: str) -> list[dict[str, str]]:
+    """A code prompt (a signature and docstring) as the user message ``chat`` prompts send."""
+    return [{"role": "user", "content": f"{CHAT_INSTRUCTION}\n\n```python\n{code}```"}]
