@@ -1,4 +1,4 @@
-"""Acceptance and speed of speculative configs on the real model (in-process vLLM, fp32, greedy).
+"""Acceptance and speed of speculative configs on the real model (in-process vLLM, fp32).
 
 For every config, over the same HumanEval prompts in the same run: vLLM's mean acceptance
 length (1 + accepted / drafts), the honest figure ((generated - requests) / decode steps,
@@ -10,11 +10,18 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
 
     python benchmarks/acceptance.py --prompts 40 --max-tokens 128 --form raw
     python benchmarks/acceptance.py --configs none prompt_lookup_k8 ngram_k8 --form both
+    python benchmarks/acceptance.py --temperature 0.7 --top-p 0.9 --repeats 3 --configs none suffix rest_k8
     python benchmarks/acceptance.py --prompts 164 --max-tokens 64 --concurrency 8 --form both --tag budget
         --configs none suffix rest_k8 rest_k8_fixed rest_tree_k16 prompt_lookup_k8 ngrammys_k8 ngrammys_tree_k16
         (one command line)
 
-Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_<tag>].json.
+Greedy by default; with ``--temperature`` (and ``--top-p``) requests sample without per-request
+seeds (vLLM's seeded path is slower on the CPU and would mix its cost into the ratios), outputs
+are not compared, and ``--repeats`` runs the prompts several times: the honest figure gets a 95%
+bootstrap interval over requests, tokens/s and the acceptance rate a 95% t interval over the
+repeats.
+
+Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>]][_<tag>].json.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
@@ -39,7 +48,7 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     generate,
     shutdown_llm,
 )
-from vllm_retrieval_spec.evaluation.metrics import summarize  # noqa: E402
+from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters, summarize  # noqa: E402
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
@@ -119,30 +128,64 @@ def parse_option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def run_config(model: Path, name: str, prompts: list[str], max_tokens: int, concurrency: int,
-               options: dict | None = None) -> dict:
-    config = with_options(CONFIGS[name], options or {})
+def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
+    config = with_options(CONFIGS[name], dict(args.option))
     spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
-                      max_num_seqs=max(concurrency, 1))
+                      max_num_seqs=max(args.concurrency, 1))
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     llm = build_llm(spec)
     try:
-        generate(llm, prompts[:1], 8)  # warm-up
-        run = generate(llm, prompts, max_tokens, concurrency=concurrency)
-        budget = budget_report(llm, concurrency)
+        generate(llm, prompts[:1], 8, **sampling)  # warm-up
+        runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency, **sampling)
+                for _ in range(args.repeats)]
+        budget = budget_report(llm, args.concurrency)
     finally:
         shutdown_llm(llm)
-    summary = summarize(run.records, run.counters)
+    records = [record for run in runs for record in run.records]
+    counters = sum((run.counters for run in runs), SpecDecodeCounters())
+    summary = summarize(records, counters)
+    seconds = sum(run.seconds for run in runs)
     return {
         "config": name,
         "speculative_config": config.get("speculative_config"),
         "additional_config": config.get("additional_config"),
         **summary.as_dict(),
-        "seconds": run.seconds,
-        "tokens_per_second": summary.generated_tokens / run.seconds,
+        "seconds": seconds,
+        "tokens_per_second": summary.generated_tokens / seconds,
         "draft_tokens_per_request_step": summary.draft_tokens / max(summary.decode_steps, 1),
+        **intervals(runs),
         "budget": budget,
-        "output_ids": [r.output_ids for r in run.records],
+        "output_ids": [r.output_ids for r in runs[0].records],
     }
+
+
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # by degrees of freedom
+
+
+def intervals(runs: list) -> dict:
+    """95% intervals: the honest figure bootstrapped over requests (1,000 resamples, fixed seed);
+    tokens/s and the acceptance rate over the repeats (t interval; None with one run)."""
+    generated = np.array([len(r.output_ids) for run in runs for r in run.records], dtype=float)
+    steps = np.array([r.decode_steps for run in runs for r in run.records], dtype=float)
+    picks = np.random.default_rng(0).integers(0, len(steps), (1000, len(steps)))
+    honest = (generated[picks] - 1).sum(axis=1) / np.maximum(steps[picks].sum(axis=1), 1)
+    per_run = {
+        "tokens_per_second": [sum(len(r.output_ids) for r in run.records) / run.seconds for run in runs],
+        "acceptance_rate": [run.counters.accepted_tokens / run.counters.draft_tokens
+                            for run in runs if run.counters.draft_tokens],
+    }
+    out = {"honest_ci95": np.quantile(honest, [0.025, 0.975]).tolist()}
+    for key, values in per_run.items():
+        out[f"{key}_ci95"] = t_interval(values)
+    return out
+
+
+def t_interval(values: list[float]) -> list[float] | None:
+    """The 95% t interval of the mean (None below two values)."""
+    if len(values) < 2:
+        return None
+    half = T_975.get(len(values) - 1, 1.96) * float(np.std(values, ddof=1)) / np.sqrt(len(values))
+    return [float(np.mean(values) - half), float(np.mean(values) + half)]
 
 
 def budget_report(llm, concurrency: int) -> dict | None:
@@ -170,48 +213,58 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
     prompts = humaneval_prompts(args.prompts, form, tokenizer)
     results, outputs = [], []
     report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "concurrency": args.concurrency, "model": "SmolLM2-135M-Instruct (float32)",
+              "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p,
+              "repeats": args.repeats, "model": "SmolLM2-135M-Instruct (float32)",
               "machine": platform.machine(), "processor_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     for name in names:
         print(f"[{form}] {name} ...", flush=True)
-        result = run_config(model, name, prompts, args.max_tokens, args.concurrency, dict(args.option))
+        result = run_config(model, name, prompts, args)
         outputs.append(result.pop("output_ids"))
         results.append(result)
-        compare(results, outputs)
+        compare(results, outputs, greedy=args.temperature == 0)
         report_path(form, report, args).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def compare(results: list[dict], outputs: list[list[list[int]]]) -> None:
+def compare(results: list[dict], outputs: list[list[list[int]]], greedy: bool = True) -> None:
     """Ratios to no speculation (the mean of its runs, first and, with --repeat-baseline, last)
-    and to vLLM suffix, and differing prompts."""
+    and to vLLM suffix, and (greedy) differing prompts."""
     suffix = next((r for r in results if r["config"] == "suffix"), None)
     baseline = [r["tokens_per_second"] for r in results if r["config"] in ("none", "none_again")]
     for result, output in zip(results, outputs):
         result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
         result["speedup_vs_suffix"] = result["tokens_per_second"] / suffix["tokens_per_second"] if suffix else None
-        result["prompts_differing_from_none"] = sum(a != b for a, b in zip(outputs[0], output))
+        result["prompts_differing_from_none"] = sum(a != b for a, b in zip(outputs[0], output)) if greedy else None
 
 
 def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
     tag = f"_{args.tag}" if args.tag else ""
+    if args.temperature > 0:
+        tag = f"_T{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") + tag
     return RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}{tag}.json"
 
 
 def print_table(report: dict) -> None:
-    header = (f"{'config':22s} {'honest':>7s} {'vLLM MAL':>9s} {'accept':>7s} {'drafts':>7s} {'tok/s':>7s} "
-              f"{'vs none':>8s} {'vs suffix':>9s} {'differ':>7s}")
+    header = (f"{'config':22s} {'honest':>7s} {'95% CI':>13s} {'vLLM MAL':>9s} {'accept':>7s} {'drafts':>7s} "
+              f"{'tok/s':>7s} {'95% CI':>13s} {'vs none':>8s} {'vs suffix':>9s} {'differ':>7s}")
     print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
-          f"concurrency {report['concurrency']}")
+          f"concurrency {report['concurrency']}, temperature {report['temperature']}, top-p {report['top_p']}, "
+          f"repeats {report['repeats']}")
     print(header)
     for r in report["results"]:
         mal = f"{r['vllm_mean_acceptance_length']:.2f}" if r["vllm_mean_acceptance_length"] else "-"
         rate = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
         vs_suffix = f"{r['speedup_vs_suffix']:.2f}x" if r["speedup_vs_suffix"] else "-"
-        print(f"{r['config']:22s} {r['honest_tokens_per_step']:7.2f} {mal:>9s} {rate:>7s} "
-              f"{r['draft_tokens_per_request_step']:7.2f} {r['tokens_per_second']:7.1f} "
-              f"{r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} {r['prompts_differing_from_none']:7d}")
+        differ = "-" if r["prompts_differing_from_none"] is None else str(r["prompts_differing_from_none"])
+        print(f"{r['config']:22s} {r['honest_tokens_per_step']:7.2f} {_interval(r['honest_ci95']):>13s} "
+              f"{mal:>9s} {rate:>7s} {r['draft_tokens_per_request_step']:7.2f} {r['tokens_per_second']:7.1f} "
+              f"{_interval(r['tokens_per_second_ci95'], 1):>13s} {r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} "
+              f"{differ:>7s}")
+
+
+def _interval(bounds: list[float] | None, digits: int = 2) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.{digits}f}-{bounds[1]:.{digits}f}"
 
 
 def resolve_configs(requested: list[str], repeat_baseline: bool) -> list[str]:
@@ -239,6 +292,9 @@ def main() -> None:
     parser.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
                         help="retrieval_spec option for every config of ours (repeatable), e.g. "
                              "datastore=DIR dense_datastore=DIR for in-distribution stores")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the prompt set per config (intervals)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")

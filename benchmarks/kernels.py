@@ -11,6 +11,18 @@ over the NumPy reference together with whether both agreed exactly.
     python benchmarks/kernels.py --device cpu --batches 1 8 --vocabs 4096 --repeats 3
 
 Writes benchmarks/results/kernels_<device>.json.
+
+With --sampling (--sampling-only: nothing else), the verification cost at temperature > 0 from
+logits, for each --threads: (a) today's path, vLLM's apply_top_k_top_p + softmax over every row
+then accept_trees on the probabilities, against (b) accept_trees given the logits and
+RowSampling, which processes only the rows its walk visits. Deterministic-candidate rule (1),
+chains of 8 and random trees of 16 nodes, B = 8 and 64, V = 49152, T = 0.7, top-p 1.0 / 0.9
+with and without top-k 50; p50 ms of each, their ratio, the rows (b) processed and how often
+(a) and (b) emitted the same tokens (they verify the same distribution, (a) in float32).
+
+    python benchmarks/kernels.py --device cpu --sampling-only --threads 1 2
+
+writes benchmarks/results/kernels_sampling_<device>.json.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees, pack_tree_masks
+from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, accept_trees, pack_tree_masks
 from vllm_retrieval_spec.kernels.tree_reference import accept_trees_reference, pack_tree_masks_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,6 +141,114 @@ def bench_accept(rng: np.random.Generator, batch: int, nodes: int, vocab: int, r
     return result
 
 
+def sampling_inputs(rng: np.random.Generator, batch: int, shape: str, vocab: int, device: str) -> dict:
+    """Logits [N + B, V] (scale 3, as tree_inputs, each row's argmax raised to probability 0.8
+    at T = 0.7) of chains of 8 or random trees of 16 nodes whose tokens follow the parent's
+    argmax 80% of the time (rule 1: retrieval drafts), so about 64% of them are accepted."""
+    nodes = 8 if shape == "chain" else 16
+    if shape == "chain":
+        parents = np.tile(np.arange(-1, nodes - 1, dtype=np.int32), batch)
+        offsets = np.arange(0, batch * nodes + 1, nodes, dtype=np.int32)
+    else:
+        parents, offsets = random_trees(rng, batch, nodes)
+    gen = torch.Generator(device=device).manual_seed(int(rng.integers(2**31)))
+    logits = torch.randn((len(parents) + batch, vocab), generator=gen, device=device) * 3
+    scaled = logits.double() / 0.7
+    top, best = scaled.max(dim=1)
+    rest = torch.exp(scaled - top[:, None]).sum(dim=1) - 1  # p(best) = 1 / (1 + rest)
+    raise_by = 0.7 * torch.log(torch.clamp(4 * rest, min=1.0))  # to 1 / (1 + rest / (4 rest))
+    logits[torch.arange(len(logits), device=device), best] += raise_by.float()
+    parent_rows = torch.as_tensor(np.arange(len(parents)) // nodes * (nodes + 1) + parents + 1,
+                                  device=device)
+    follow = torch.as_tensor(rng.random(len(parents)) < 0.8, device=device)
+    random_tokens = torch.as_tensor(rng.integers(0, vocab, len(parents)), device=device)
+    tokens = torch.where(follow, logits.argmax(dim=1)[parent_rows], random_tokens).to(torch.int32)
+    return dict(logits=logits, tokens=tokens, parents=torch.as_tensor(parents, device=device),
+                offsets=torch.as_tensor(offsets, device=device),
+                rules=torch.full((batch,), int(AcceptRule.CANDIDATES), dtype=torch.int32, device=device),
+                seeds=torch.arange(batch, dtype=torch.int64, device=device), width=nodes + 1)
+
+
+def bench_sampling(rng: np.random.Generator, batch: int, shape: str, vocab: int, top_p: float,
+                   top_k: int, threads: int, device: str, repeats: int) -> dict:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    inputs = sampling_inputs(rng, batch, shape, vocab, device)
+    logits, width = inputs["logits"], inputs["width"]
+    tree = {k: inputs[k] for k in ("tokens", "parents", "offsets", "rules", "seeds")}
+    if device == "cpu":
+        tree = {k: v.numpy().view(np.uint64) if k == "seeds" else v.numpy() for k, v in tree.items()}
+    counts = np.diff(inputs["offsets"].cpu().numpy()) + 1
+    temperature = torch.full((batch,), 0.7, device=device)
+    row_temperature = temperature.repeat_interleave(torch.as_tensor(counts, device=device))
+    row_k = torch.full((len(logits),), top_k, dtype=torch.long, device=device) if top_k else None
+    row_p = torch.full((len(logits),), top_p, device=device) if top_p < 1 else None
+    sampling = RowSampling(temperature, torch.full((batch,), top_k, dtype=torch.int32, device=device),
+                           torch.full((batch,), top_p, device=device))
+    if device == "cpu":
+        sampling = RowSampling(*(a.numpy() for a in (sampling.temperature, sampling.top_k, sampling.top_p)))
+
+    def today():  # what TreeRejectionSampler._scores does, then the kernel on probabilities
+        probs = apply_top_k_top_p(logits / row_temperature[:, None], row_k, row_p).softmax(dim=-1)
+        return accept_trees(probs if device == "cuda" else probs.numpy(), **tree, out_width=width,
+                            validate=False, num_threads=threads)
+
+    host_logits = logits if device == "cuda" else logits.numpy()
+
+    def lazy():
+        return accept_trees(host_logits, **tree, out_width=width, validate=False,
+                            num_threads=threads, sampling=sampling)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        today_ms = time_call(today, device, repeats) / 1e3
+        lazy_ms = time_call(lazy, device, repeats) / 1e3
+        a, b = today(), lazy()
+    finally:
+        torch.set_num_threads(previous)
+    accepted = np.asarray(b.num_accepted.cpu() if device == "cuda" else b.num_accepted)
+    same = np.asarray((a.out_tokens == b.out_tokens).all(1).cpu() if device == "cuda"
+                      else (a.out_tokens == b.out_tokens).all(1))
+    return {"kernel": "verify_sampled", "shape": shape, "batch": batch, "nodes": width - 1,
+            "rows": len(logits), "vocab": vocab, "temperature": 0.7, "top_p": top_p,
+            "top_k": top_k, "threads": threads, "today_ms": today_ms, "lazy_ms": lazy_ms,
+            "speedup": today_ms / lazy_ms, "rows_processed": int(accepted.sum() + batch),
+            "mean_accepted": float(accepted.mean()), "same_tokens": float(same.mean())}
+
+
+def print_sampling_row(r: dict) -> None:
+    filters = f"p={r['top_p']:<4} k={r['top_k'] or '-':<3}"
+    shape = f"{r['shape']:5s} B={r['batch']:<3d} n={r['nodes']:<3d}"
+    print(f"{r['threads']:>3d} {filters:12s} {shape:20s} {r['today_ms']:10.1f} {r['lazy_ms']:9.2f} "
+          f"{r['speedup']:8.1f}x {r['rows_processed']:5d}/{r['rows']:<5d} {r['mean_accepted']:6.2f} "
+          f"{100 * r['same_tokens']:5.0f}%")
+
+
+def run_sampling(args: argparse.Namespace, name: str) -> list[dict]:
+    print(f"verification at T = 0.7 from logits, V = {args.sampling_vocab}, rule 1; p50 ms "
+          f"({args.sampling_repeats} calls; (a) vLLM apply_top_k_top_p + softmax + accept_trees, "
+          "(b) accept_trees(logits, sampling=...))")
+    print(f"{'thr':>3s} {'filters':12s} {'trees':20s} {'(a) today':>10s} {'(b) lazy':>9s} "
+          f"{'(a)/(b)':>9s} {'rows (b)':>11s} {'accept':>6s} {'same':>6s}")
+    rng = np.random.default_rng(1)
+    results = []
+    for threads in args.threads:
+        for top_p, top_k in ((1.0, 0), (0.9, 0), (1.0, 50), (0.9, 50)):
+            for shape in ("chain", "tree"):
+                for batch in args.sampling_batches:
+                    results.append(bench_sampling(rng, batch, shape, args.sampling_vocab, top_p,
+                                                  top_k, threads, args.device, args.sampling_repeats))
+                    print_sampling_row(results[-1])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"kernels_sampling_{args.device}.json"
+    out.write_text(json.dumps({"device": args.device, "device_name": name,
+                               "timer": "cuda events" if args.device == "cuda" else "perf_counter",
+                               "args": vars(args), "results": results}, indent=2) + "\n")
+    print(f"written: {out}")
+    return results
+
+
 def print_row(r: dict) -> None:
     shape = (f"{r['trees']} trees x {r['nodes']}" if r["kernel"] == "pack_tree_masks"
              else f"{r['rule']:19s} B={r['batch']:<4d} n={r['nodes']:<3d} V={r['vocab']:<6d}")
@@ -152,11 +272,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--reference-max-batch", type=int, default=1,
                         help="run the (slow) NumPy reference up to this batch size")
+    parser.add_argument("--sampling", action="store_true",
+                        help="also time verification at temperature > 0 from logits")
+    parser.add_argument("--sampling-only", action="store_true", help="time only that")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="threads (torch's and the kernels') of the --sampling runs")
+    parser.add_argument("--sampling-batches", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--sampling-vocab", type=int, default=49152)
+    parser.add_argument("--sampling-repeats", type=int, default=5)
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"device: {name} ({'CUDA events' if args.device == 'cuda' else 'CPU perf_counter'})")
+    if args.sampling or args.sampling_only:
+        run_sampling(args, name)
+        if args.sampling_only:
+            return
     print(f"{'kernel':16s} {'shape':46s} {'us':>11s} {'GB/s':>8s} {'reference us':>12s} {'speedup':>9s} same")
     results = [bench_pack(rng, args.pack_trees, args.pack_nodes, args.device, args.repeats)]
     print_row(results[-1])

@@ -369,12 +369,19 @@ void bind_rest(nb::module_& m) {
 
 using DraftBlock = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
 using DraftLengths = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, Cpu>;
+using DraftWeights = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, Cpu>;
 
-std::tuple<NewArray<int32_t, 2>, NewArray<int32_t, 2>, NewArray<int32_t, 1>> merge_drafts(
-    DraftBlock drafts, DraftLengths lengths, int num_threads) {
+std::tuple<NewArray<int32_t, 2>, NewArray<int32_t, 2>, NewArray<int32_t, 1>, NewArray<float, 2>>
+merge_drafts(DraftBlock drafts, DraftLengths lengths, std::optional<DraftWeights> weights,
+             int num_threads) {
   const size_t rows = drafts.shape(0), k = drafts.shape(1), w = drafts.shape(2);
   if (lengths.shape(0) != rows || lengths.shape(1) != k)
     throw std::invalid_argument("lengths must have shape [rows, k]");
+  if (weights && (weights->shape(0) != rows || weights->shape(1) != k))
+    throw std::invalid_argument("weights must have shape [rows, k]");
+  std::vector<float> unit;
+  if (!weights) unit.assign(rows * k, 1.0f);
+  const float* weight_data = weights ? weights->data() : unit.data();
   for (size_t i = 0; i < rows * k; ++i)
     if (lengths.data()[i] < 0 || static_cast<size_t>(lengths.data()[i]) > w)
       throw std::out_of_range("lengths[" + std::to_string(i / k) + ", " + std::to_string(i % k) +
@@ -383,6 +390,8 @@ std::tuple<NewArray<int32_t, 2>, NewArray<int32_t, 2>, NewArray<int32_t, 1>> mer
   auto tokens = new_array<int32_t, 2>({rows, k * w}, -1);
   auto parents = new_array<int32_t, 2>({rows, k * w}, -1);
   auto sizes = new_array<int32_t, 1>({rows}, 0);
+  auto node_weights = new_array<float, 2>({rows, k * w}, 0.0f);
+  float* node_weight_data = node_weights.data();
   const int32_t* draft_data = drafts.data();
   const int32_t* length_data = lengths.data();
   int32_t* token_data = tokens.data();
@@ -394,12 +403,13 @@ std::tuple<NewArray<int32_t, 2>, NewArray<int32_t, 2>, NewArray<int32_t, 1>> mer
     const vrs::ThreadPlan plan{num_threads, static_cast<int64_t>(rows) * width, kMergeGrain};
     vrs::parallel_for(static_cast<int64_t>(rows), plan, [&](int64_t r) {
       thread_local vrs::DraftMerger merger;
-      size_data[r] = merger.merge(draft_data + r * width, length_data + r * k, static_cast<int>(k),
-                                  static_cast<int>(w), token_data + r * width,
-                                  parent_data + r * width);
+      size_data[r] = merger.merge(draft_data + r * width, length_data + r * k,
+                                  weight_data + r * k, static_cast<int>(k), static_cast<int>(w),
+                                  token_data + r * width, parent_data + r * width,
+                                  node_weight_data + r * width);
     });
   }
-  return {tokens, parents, sizes};
+  return {tokens, parents, sizes, node_weights};
 }
 
 }  // namespace
@@ -419,10 +429,12 @@ void bind_drafting(nb::module_& m) {
 #endif
   bind_rest(m);
   m.def("merge_drafts", &merge_drafts, nb::arg("drafts"), nb::arg("lengths"),
-        nb::arg("num_threads") = 0,
+        nb::arg("weights").none() = nb::none(), nb::arg("num_threads") = 0,
         "Each row's k drafts [rows, k, w] (lengths [rows, k]) merged into one tree, nodes in the "
         "order first met (CPU threads, GIL released). Returns new arrays tree_tokens, "
-        "tree_parents [rows, k * w] (-1 padded; parent -1 = the root) and tree_size [rows].");
+        "tree_parents [rows, k * w] (-1 padded; parent -1 = the root), tree_size [rows] and "
+        "tree_weight [rows, k * w]: the sum of weights [rows, k] (default 1) of the drafts "
+        "through each node.");
 }
 
 }  // namespace vrs_bind

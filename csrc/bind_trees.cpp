@@ -28,12 +28,18 @@ using Cuda = nb::device::cuda;
 template <typename Device>
 using FloatMatrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, Device>;
 template <typename Device>
+using FloatVector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, Device>;
+template <typename Device>
+using DoubleMatrix = nb::ndarray<double, nb::ndim<2>, nb::c_contig, Device>;
+template <typename Device>
 using SeedVector = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, Device>;
 template <typename Device>
 using MaskMatrix = nb::ndarray<uint64_t, nb::ndim<2>, nb::c_contig, Device>;
 
 // Values scanned worth one thread (about what waking one costs many times over).
 constexpr int64_t kTreeGrain = int64_t{1} << 18;
+// Passes over a row that a lazy target row costs (keys, selections, exp, sums; about).
+constexpr int64_t kTargetRowPasses = 16;
 
 // Number of trees; offsets must have B + 1 entries.
 template <typename Device>
@@ -85,6 +91,32 @@ int pack_tree_masks_cpu(ConstVector<Cpu> parents, ConstVector<Cpu> offsets,
   return trees;
 }
 
+// Per-row sampling parameters of the lazy target rows: all three or none.
+template <typename Device>
+struct SamplingArgs {
+  std::optional<FloatVector<Device>> temperature;
+  std::optional<ConstVector<Device>> top_k;
+  std::optional<FloatVector<Device>> top_p;
+
+  // Whether they are given, checking that each has `rows` entries.
+  bool given(size_t rows) const {
+    if (!temperature && !top_k && !top_p) return false;
+    if (!temperature || !top_k || !top_p)
+      throw std::invalid_argument("temperature, top_k and top_p must be given together");
+    if (temperature->shape(0) != rows || top_k->shape(0) != rows || top_p->shape(0) != rows)
+      throw std::invalid_argument("temperature, top_k and top_p must have " +
+                                  std::to_string(rows) + " entries (one per request)");
+    return true;
+  }
+};
+
+// Sparse draft rows: tokens (-1 padded) and their probabilities, both [N + B, M].
+template <typename Device>
+struct SparseDraftArgs {
+  std::optional<TokenMatrix<Device>> tokens;
+  std::optional<FloatMatrix<Device>> probs;
+};
+
 template <typename Device>
 struct TreeAcceptArgs {
   FloatMatrix<Device> scores;
@@ -93,6 +125,8 @@ struct TreeAcceptArgs {
   SeedVector<Device> seeds;
   Output<Device, 2> out_tokens, path_nodes;
   Output<Device, 1> num_accepted;
+  SamplingArgs<Device> sampling;
+  SparseDraftArgs<Device> draft;
 
   // Checks the shapes; returns the batch view the kernels read.
   vrs::TreeBatch batch() const {
@@ -111,13 +145,33 @@ struct TreeAcceptArgs {
     if (out_tokens.shape(0) != trees || out_tokens.shape(1) < 1 ||
         path_nodes.shape(0) != trees || path_nodes.shape(1) != out_tokens.shape(1) - 1)
       throw std::invalid_argument("out_tokens must be [B, width >= 1] and path_nodes [B, width - 1]");
-    return vrs::TreeBatch{scores.data(),    draft_probs ? draft_probs->data() : nullptr,
-                          static_cast<int64_t>(scores.shape(1)),
-                          tokens.data(),    parents.data(),
-                          offsets.data(),   rules.data(),
-                          seeds.data(),     static_cast<int>(out_tokens.shape(1)),
-                          out_tokens.data(), path_nodes.data(),
-                          num_accepted.data()};
+    vrs::TreeBatch batch{scores.data(),    draft_probs ? draft_probs->data() : nullptr,
+                         static_cast<int64_t>(scores.shape(1)),
+                         tokens.data(),    parents.data(),
+                         offsets.data(),   rules.data(),
+                         seeds.data(),     static_cast<int>(out_tokens.shape(1)),
+                         out_tokens.data(), path_nodes.data(),
+                         num_accepted.data()};
+    if (sampling.given(trees)) {
+      batch.temperature = sampling.temperature->data();
+      batch.top_k = sampling.top_k->data();
+      batch.top_p = sampling.top_p->data();
+    }
+    if (draft.tokens.has_value() != draft.probs.has_value())
+      throw std::invalid_argument("draft_tokens and draft_values must be given together");
+    if (draft.tokens) {
+      if (draft_probs)
+        throw std::invalid_argument("pass draft_probs (dense) or draft_tokens and draft_values "
+                                    "(sparse), not both");
+      if (draft.tokens->shape(0) != scores.shape(0) || draft.probs->shape(0) != scores.shape(0) ||
+          draft.tokens->shape(1) != draft.probs->shape(1))
+        throw std::invalid_argument("draft_tokens and draft_values must both be [N + B, M] = [" +
+                                    std::to_string(scores.shape(0)) + ", M]");
+      batch.draft_tokens = draft.tokens->data();
+      batch.draft_values = draft.probs->data();
+      batch.draft_width = static_cast<int32_t>(draft.tokens->shape(1));
+    }
+    return batch;
   }
 };
 
@@ -126,18 +180,62 @@ int accept_trees_cpu(const TreeAcceptArgs<Cpu>& args, int num_threads) {
   check_offsets_values(args.offsets, static_cast<int64_t>(args.parents.shape(0)));
   const int trees = check_offsets_shape(args.offsets);
   const bool needs_q = batch.draft_probs != nullptr;
+  const bool sparse = batch.draft_tokens != nullptr;
+  const bool needs_row = batch.temperature != nullptr || sparse;
   nb::gil_scoped_release release;
-  const vrs::ThreadPlan plan{num_threads, trees * batch.vocab, kTreeGrain};
+  const int64_t passes = batch.temperature != nullptr ? kTargetRowPasses : 1;
+  const vrs::ThreadPlan plan{num_threads, trees * batch.vocab * passes, kTreeGrain};
   vrs::parallel_for(trees, plan, [&](int64_t b) {
-    thread_local std::vector<double> p_work;
-    thread_local std::vector<float> q_work;
+    thread_local std::vector<double> p_work, row_work;
+    thread_local std::vector<float> q_work, q_values;
+    thread_local std::vector<int32_t> q_tokens;
     p_work.resize(batch.vocab);
     if (needs_q) q_work.resize(batch.vocab);
+    if (needs_row) row_work.resize(batch.vocab);
+    if (sparse) {
+      q_tokens.resize(std::max<int32_t>(1, batch.draft_width));
+      q_values.resize(q_tokens.size());
+    }
     vrs::CpuOps ops{batch.vocab};
-    vrs::accept_request(batch, static_cast<int>(b), ops, p_work.data(),
-                        needs_q ? q_work.data() : nullptr);
+    const vrs::RequestWork work{p_work.data(), needs_q ? q_work.data() : nullptr,
+                                needs_row ? row_work.data() : nullptr,
+                                sparse ? q_tokens.data() : nullptr,
+                                sparse ? q_values.data() : nullptr};
+    vrs::accept_request(batch, static_cast<int>(b), ops, work);
   });
   return trees;
+}
+
+// Checks the lazy target rows' arguments; returns the number of rows.
+template <typename Device>
+size_t check_target_rows(const FloatMatrix<Device>& logits, const SamplingArgs<Device>& sampling,
+                         const DoubleMatrix<Device>& out) {
+  if (logits.shape(1) < 1) throw std::invalid_argument("logits must have a vocabulary axis >= 1");
+  if (out.shape(0) != logits.shape(0) || out.shape(1) != logits.shape(1))
+    throw std::invalid_argument("out must have the shape of logits");
+  sampling.given(logits.shape(0));
+  return logits.shape(0);
+}
+
+int target_rows_cpu(const FloatMatrix<Cpu>& logits, const SamplingArgs<Cpu>& sampling,
+                    DoubleMatrix<Cpu> out, int num_threads) {
+  const size_t rows = check_target_rows(logits, sampling, out);
+  if (!sampling.temperature) throw std::invalid_argument("temperature, top_k and top_p are required");
+  const int64_t vocab = static_cast<int64_t>(logits.shape(1));
+  const float* logit_data = logits.data();
+  const float* temperature = sampling.temperature->data();
+  const int32_t* top_k = sampling.top_k->data();
+  const float* top_p = sampling.top_p->data();
+  double* out_data = out.data();
+  nb::gil_scoped_release release;
+  const vrs::ThreadPlan plan{num_threads, static_cast<int64_t>(rows) * vocab * kTargetRowPasses,
+                             kTreeGrain};
+  vrs::parallel_for(static_cast<int64_t>(rows), plan, [&](int64_t r) {
+    vrs::CpuOps ops{vocab};
+    vrs::target_row(ops, logit_data + r * vocab, temperature[r], top_k[r], top_p[r],
+                    out_data + r * vocab);
+  });
+  return static_cast<int>(rows);
 }
 
 
@@ -241,22 +339,52 @@ int pack_tree_masks_gpu(ConstVector<Cuda> parents,
 
 using Workspace = nb::ndarray<double, nb::ndim<2>, nb::c_contig, Cuda>;
 using DraftWorkspace = nb::ndarray<float, nb::ndim<2>, nb::c_contig, Cuda>;
+using TokenWorkspace = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, Cuda>;
 
-int accept_trees_gpu(const TreeAcceptArgs<Cuda>& args,
-                     std::optional<Workspace> p_work, std::optional<DraftWorkspace> q_work,
-                     std::uintptr_t stream) {
+// The CUDA scratch rows (tree_cuda.h: TreeWorkspaces), each optional.
+struct CudaWorkspaces {
+  std::optional<Workspace> p;
+  std::optional<DraftWorkspace> q;
+  std::optional<Workspace> row;
+  std::optional<TokenWorkspace> q_tokens;
+  std::optional<DraftWorkspace> q_values;
+};
+
+template <typename Array>
+auto data_or_null(std::optional<Array>& array) -> decltype(array->data()) {
+  return array ? array->data() : nullptr;
+}
+
+int accept_trees_gpu(const TreeAcceptArgs<Cuda>& args, CudaWorkspaces work, std::uintptr_t stream) {
   const vrs::TreeBatch batch = args.batch();
   const int trees = check_offsets_shape(args.offsets);
-  const auto fits = [&](size_t rows, size_t cols) {
-    return rows == static_cast<size_t>(trees) && cols == static_cast<size_t>(batch.vocab);
+  const auto fits = [&](const auto& array, int64_t cols) {
+    return !array || (array->shape(0) == static_cast<size_t>(trees) &&
+                      array->shape(1) == static_cast<size_t>(cols));
   };
-  if ((p_work && !fits(p_work->shape(0), p_work->shape(1))) ||
-      (q_work && !fits(q_work->shape(0), q_work->shape(1))))
-    throw std::invalid_argument("workspaces must have shape [B, V]");
+  if (!fits(work.p, batch.vocab) || !fits(work.q, batch.vocab) || !fits(work.row, batch.vocab))
+    throw std::invalid_argument("p_workspace, q_workspace and row_workspace must have shape [B, V]");
+  const int64_t width = std::max<int64_t>(1, batch.draft_width);
+  if (!fits(work.q_tokens, width) || !fits(work.q_values, width))
+    throw std::invalid_argument("sparse workspaces must have shape [B, max(M, 1)]");
+  const vrs::TreeWorkspaces workspaces{data_or_null(work.p), data_or_null(work.q),
+                                       data_or_null(work.row), data_or_null(work.q_tokens),
+                                       data_or_null(work.q_values)};
   nb::gil_scoped_release release;
-  vrs::accept_trees_cuda(batch, trees, p_work ? p_work->data() : nullptr,
-                         q_work ? q_work->data() : nullptr, stream);
+  vrs::accept_trees_cuda(batch, trees, workspaces, stream);
   return trees;
+}
+
+int target_rows_gpu(const FloatMatrix<Cuda>& logits, const SamplingArgs<Cuda>& sampling,
+                    DoubleMatrix<Cuda> out, std::uintptr_t stream) {
+  const size_t rows = check_target_rows(logits, sampling, out);
+  if (!sampling.temperature) throw std::invalid_argument("temperature, top_k and top_p are required");
+  const vrs::TargetRowsArgs args{logits.data(), sampling.temperature->data(),
+                                 sampling.top_k->data(), sampling.top_p->data(), out.data(),
+                                 static_cast<int64_t>(rows), static_cast<int64_t>(logits.shape(1))};
+  nb::gil_scoped_release release;
+  vrs::target_rows_cuda(args, stream);
+  return static_cast<int>(rows);
 }
 
 int tree_attention_gpu(const TreeAttentionInputs<Cuda>& inputs, std::uintptr_t stream) {
@@ -320,16 +448,35 @@ void bind_trees(nb::module_& m) {
       [](FloatMatrix<Cpu> scores, std::optional<FloatMatrix<Cpu>> draft_probs,
          ConstVector<Cpu> tokens, ConstVector<Cpu> parents, ConstVector<Cpu> offsets,
          ConstVector<Cpu> rules, SeedVector<Cpu> seeds, Output<Cpu, 2> out_tokens,
-         Output<Cpu, 2> path_nodes, Output<Cpu, 1> num_accepted, int num_threads) {
+         Output<Cpu, 2> path_nodes, Output<Cpu, 1> num_accepted, int num_threads,
+         std::optional<FloatVector<Cpu>> temperature, std::optional<ConstVector<Cpu>> top_k,
+         std::optional<FloatVector<Cpu>> top_p, std::optional<TokenMatrix<Cpu>> draft_tokens,
+         std::optional<FloatMatrix<Cpu>> draft_values) {
         return accept_trees_cpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
-                                 out_tokens, path_nodes, num_accepted},
+                                 out_tokens, path_nodes, num_accepted,
+                                 {temperature, top_k, top_p}, {draft_tokens, draft_values}},
                                 num_threads);
       },
       nb::arg("scores"), nb::arg("draft_probs").none(), nb::arg("tokens"), nb::arg("parents"),
       nb::arg("offsets"), nb::arg("rules"), nb::arg("seeds"), nb::arg("out_tokens"),
       nb::arg("path_nodes"), nb::arg("num_accepted"), nb::arg("num_threads") = 0,
+      nb::arg("temperature").none() = nb::none(), nb::arg("top_k").none() = nb::none(),
+      nb::arg("top_p").none() = nb::none(), nb::arg("draft_tokens").none() = nb::none(),
+      nb::arg("draft_values").none() = nb::none(),
       "Tree verification (greedy, deterministic candidates, MCSS with/without replacement), "
-      "CPU threads over requests, GIL released; fills the outputs.");
+      "CPU threads over requests, GIL released; fills the outputs. With temperature, top_k and "
+      "top_p [B], scores are logits and rules 1-3 verify against the lazy target rows; "
+      "draft_tokens/draft_values [N + B, M] are sparse draft rows (instead of draft_probs).");
+  m.def(
+      "target_rows",
+      [](FloatMatrix<Cpu> logits, FloatVector<Cpu> temperature, ConstVector<Cpu> top_k,
+         FloatVector<Cpu> top_p, DoubleMatrix<Cpu> out, int num_threads) {
+        return target_rows_cpu(logits, {temperature, top_k, top_p}, out, num_threads);
+      },
+      nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"),
+      nb::arg("out"), nb::arg("num_threads") = 0,
+      "The lazy target rows of accept_trees for whole logits rows [R, V] (unnormalised, "
+      "float64 out [R, V]); CPU threads over rows, GIL released.");
 #ifdef VRS_WITH_CUDA
   m.def(
       "pack_tree_masks",
@@ -346,17 +493,40 @@ void bind_trees(nb::module_& m) {
          ConstVector<Cuda> rules, SeedVector<Cuda> seeds, Output<Cuda, 2> out_tokens,
          Output<Cuda, 2> path_nodes, Output<Cuda, 1> num_accepted,
          std::optional<Workspace> p_workspace, std::optional<DraftWorkspace> q_workspace,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::optional<FloatVector<Cuda>> temperature,
+         std::optional<ConstVector<Cuda>> top_k, std::optional<FloatVector<Cuda>> top_p,
+         std::optional<TokenMatrix<Cuda>> draft_tokens,
+         std::optional<FloatMatrix<Cuda>> draft_values, std::optional<Workspace> row_workspace,
+         std::optional<TokenWorkspace> sparse_token_workspace,
+         std::optional<DraftWorkspace> sparse_value_workspace) {
         return accept_trees_gpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
-                                 out_tokens, path_nodes, num_accepted},
-                                p_workspace, q_workspace, stream);
+                                 out_tokens, path_nodes, num_accepted,
+                                 {temperature, top_k, top_p}, {draft_tokens, draft_values}},
+                                {p_workspace, q_workspace, row_workspace, sparse_token_workspace,
+                                 sparse_value_workspace},
+                                stream);
       },
       nb::arg("scores"), nb::arg("draft_probs").none(), nb::arg("tokens"), nb::arg("parents"),
       nb::arg("offsets"), nb::arg("rules"), nb::arg("seeds"), nb::arg("out_tokens"),
       nb::arg("path_nodes"), nb::arg("num_accepted"), nb::arg("p_workspace").none(),
       nb::arg("q_workspace").none(), nb::arg("stream") = 0,
+      nb::arg("temperature").none() = nb::none(), nb::arg("top_k").none() = nb::none(),
+      nb::arg("top_p").none() = nb::none(), nb::arg("draft_tokens").none() = nb::none(),
+      nb::arg("draft_values").none() = nb::none(), nb::arg("row_workspace").none() = nb::none(),
+      nb::arg("sparse_token_workspace").none() = nb::none(),
+      nb::arg("sparse_value_workspace").none() = nb::none(),
       "accept_trees on a CUDA device (one block per request); p_workspace [B, V] float64 for "
-      "rules 1-3, q_workspace [B, V] float32 for rule 3.");
+      "rules 1-3, q_workspace [B, V] float32 for rule 3 with draft_probs, row_workspace [B, V] "
+      "float64 for lazy target rows or sparse draft rows, sparse_token_workspace / "
+      "sparse_value_workspace [B, max(M, 1)] int32 / float32 for sparse draft rows.");
+  m.def(
+      "target_rows",
+      [](FloatMatrix<Cuda> logits, FloatVector<Cuda> temperature, ConstVector<Cuda> top_k,
+         FloatVector<Cuda> top_p, DoubleMatrix<Cuda> out, std::uintptr_t stream) {
+        return target_rows_gpu(logits, {temperature, top_k, top_p}, out, stream);
+      },
+      nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"),
+      nb::arg("out"), nb::arg("stream") = 0, "target_rows on a CUDA device (one block per row).");
 #endif
 }
 

@@ -65,6 +65,12 @@ struct Shared {
   float best_value[kWarps];
   int best_index[kWarps];
   int index;
+  // Lazy target rows and sparse drafts.
+  double scalar;
+  double histogram[kHistogramBuckets];
+  double part[32];
+  double below;
+  int bucket;
 };
 
 // Block-wide collectives for accept_request; every thread of the block calls each of them.
@@ -148,6 +154,20 @@ struct BlockOps {
   template <class F>
   __device__ int32_t sample(const F& f, double u) const {
     const double target = u * total(f);
+    return scan_above(f, 0.0, target);
+  }
+
+  // The smallest i with base + cdf[i] > target (canonical cdf), else the last i with f(i) > 0,
+  // else -1.
+  template <class F>
+  __device__ int32_t first_above(const F& f, double base, double target) const {
+    total(f);
+    return scan_above(f, base, target);
+  }
+
+  // first_above once total(f) has left the segment starts in shared memory.
+  template <class F>
+  __device__ int32_t scan_above(const F& f, double offset, double target) const {
     const int64_t length = segment_length(vocab);
     const int64_t base = warp() * length;
     const double start = sh->segment_start[warp()];
@@ -155,7 +175,8 @@ struct BlockOps {
     for (int64_t k = 0; k < length; k += 32) {
       const int64_t i = base + k + lane();
       const double scan = warp_inclusive_scan(i < vocab ? f(i) : 0.0, lane());
-      const unsigned hits = __ballot_sync(kFullMask, i < vocab && start + (run + scan) > target);
+      const unsigned hits =
+          __ballot_sync(kFullMask, i < vocab && offset + (start + (run + scan)) > target);
       if (hits != 0) {
         if (lane() == 0) atomicMin(&sh->index, static_cast<int>(base + k + __ffs(hits) - 1));
         break;
@@ -183,16 +204,131 @@ struct BlockOps {
     __syncthreads();
     return sh->index;
   }
+
+  // f() on one thread, its value returned to all.
+  template <class F>
+  __device__ double single(const F& f) const {
+    if (threadIdx.x == 0) sh->scalar = f();
+    __syncthreads();
+    const double value = sh->scalar;
+    __syncthreads();
+    return value;
+  }
+
+  template <class F>
+  __device__ void parallel_for(int64_t n, const F& f) const {
+    for (int64_t j = threadIdx.x; j < n; j += kThreads) f(j);
+    __syncthreads();
+  }
+
+  static constexpr bool kExactTopKGuess = false;  // certified: radix_select is untested on CPUs
+  __device__ static LogitKeys row_keys(const float* logits, bool) { return LogitKeys{logits}; }
+
+  // The totals of f and of f with f(index) replaced by value.
+  template <class F>
+  __device__ void total_pair(const F& f, int64_t index, double value, double* plain,
+                             double* replaced) const {
+    *plain = total(f);
+    *replaced = total(Replaced<F>{f, index, value});
+  }
+
+  // The k-th largest key (0 < k < V): ascending, the first element whose running count exceeds
+  // V - k (exact: integer counts).
+  __device__ uint64_t guess_top_k_key(const LogitKeys& keys, int32_t k) const {
+    const uint64_t position = radix_select(keys, Ones{}, static_cast<double>(vocab - k), false);
+    return position == kNoPosition ? kNoPosition : position / static_cast<uint64_t>(vocab);
+  }
+
+  // CpuOps::guess_position's contract.
+  template <class W>
+  __device__ uint64_t guess_position(const LogitKeys& keys, const W& w, double target) const {
+    return radix_select(keys, w, target, true);
+  }
+
+  // Three radix levels (11, 11 and 10 key bits) of shared-memory histograms of w, then the
+  // boundary key's elements in index order (with_index; else index 0).
+  template <class W>
+  __device__ uint64_t radix_select(const LogitKeys& keys, const W& w, double target,
+                                   bool with_index) const {
+    uint32_t prefix = 0;
+    int done = 0;
+    double below = 0.0;
+    for (int level = 0; level < 3; ++level) {
+      const int bits = level < 2 ? 11 : 10;
+      const int buckets = 1 << bits;
+      for (int j = threadIdx.x; j < buckets; j += kThreads) sh->histogram[j] = 0.0;
+      __syncthreads();
+      for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
+        const uint32_t key = keys(i);
+        if (done > 0 && (key >> (32 - done)) != prefix) continue;
+        const double weight = w(i);
+        if (weight > 0) atomicAdd(&sh->histogram[(key >> (32 - done - bits)) & (buckets - 1)], weight);
+      }
+      __syncthreads();
+      const int bucket = crossing(buckets, &below, target);
+      if (bucket < 0) return kNoPosition;
+      prefix = (prefix << bits) | static_cast<uint32_t>(bucket);
+      done += bits;
+    }
+    const uint64_t start = static_cast<uint64_t>(prefix) * static_cast<uint64_t>(vocab);
+    if (!with_index) return start;
+    const int32_t index = first_above(KeyGroup<LogitKeys, W>{keys, prefix, w}, below, target);
+    return index < 0 ? kNoPosition : start + static_cast<uint64_t>(index);
+  }
+
+  // The first histogram bucket where *below plus the running bucket sum exceeds target (-1:
+  // none); *below becomes the sum before it. Lanes of warp 0 sum 1/32 of the buckets each, then
+  // lane 0 walks those sums and the buckets from the crossing lane on.
+  __device__ int crossing(int buckets, double* below, double target) const {
+    const int per_lane = buckets / 32;
+    if (warp() == 0) {
+      double part = 0.0;
+      for (int j = 0; j < per_lane; ++j) part = part + sh->histogram[lane() * per_lane + j];
+      sh->part[lane()] = part;
+      __syncwarp();
+      if (lane() == 0) {
+        double acc = *below;
+        int l = 0;
+        for (; l < 32 && !(acc + sh->part[l] > target); ++l) acc = acc + sh->part[l];
+        int found = -1;
+        for (int j = l * per_lane; j < buckets && found < 0; ++j) {
+          if (acc + sh->histogram[j] > target) found = j; else acc = acc + sh->histogram[j];
+        }
+        sh->bucket = found;
+        sh->below = acc;
+      }
+    }
+    __syncthreads();
+    const int bucket = sh->bucket;
+    *below = sh->below;
+    __syncthreads();
+    return bucket;
+  }
 };
 
+template <class T>
+__device__ T* row_of(T* base, int64_t row, int64_t width) {
+  return base != nullptr ? base + row * width : nullptr;
+}
+
 __global__ void __launch_bounds__(kThreads)
-    accept_trees_kernel(TreeBatch batch, double* p_work, float* q_work) {
+    accept_trees_kernel(TreeBatch batch, TreeWorkspaces work) {
   __shared__ Shared sh;
   BlockOps ops{batch.vocab, &sh};
   const int b = blockIdx.x;
-  const int64_t row = static_cast<int64_t>(b) * batch.vocab;
-  accept_request(batch, b, ops, p_work != nullptr ? p_work + row : nullptr,
-                 q_work != nullptr ? q_work + row : nullptr);
+  const int64_t vocab = batch.vocab, width = batch.draft_width;
+  const RequestWork request{row_of(work.p, b, vocab), row_of(work.q, b, vocab),
+                            row_of(work.row, b, vocab), row_of(work.q_tokens, b, width),
+                            row_of(work.q_values, b, width)};
+  accept_request(batch, b, ops, request);
+}
+
+__global__ void __launch_bounds__(kThreads) target_rows_kernel(TargetRowsArgs args) {
+  __shared__ Shared sh;
+  BlockOps ops{args.vocab, &sh};
+  const int64_t r = blockIdx.x;
+  target_row(ops, args.logits + r * args.vocab, args.temperature[r], args.top_k[r],
+             args.top_p[r], args.out + r * args.vocab);
 }
 
 }  // namespace
@@ -207,12 +343,18 @@ void pack_tree_masks_cuda(const PackTreeCudaArgs& args) {
   check(cudaGetLastError(), "pack_tree_masks kernel launch");
 }
 
-void accept_trees_cuda(const TreeBatch& batch, int num_requests, double* p_work, float* q_work,
+void accept_trees_cuda(const TreeBatch& batch, int num_requests, const TreeWorkspaces& work,
                        std::uintptr_t stream) {
   if (num_requests == 0) return;
   accept_trees_kernel<<<num_requests, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      batch, p_work, q_work);
+      batch, work);
   check(cudaGetLastError(), "accept_trees kernel launch");
+}
+
+void target_rows_cuda(const TargetRowsArgs& args, std::uintptr_t stream) {
+  if (args.rows == 0) return;
+  target_rows_kernel<<<args.rows, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
+  check(cudaGetLastError(), "target_rows kernel launch");
 }
 
 }  // namespace vrs

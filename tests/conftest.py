@@ -105,3 +105,17 @@ def assert_same_token_ids(expected: GenerationRun, actual: GenerationRun) -> Non
 def first_difference(want: list[int], got: list[int]) -> int:
     """The first position where two token lists differ (the shorter length if one is a prefix)."""
     return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+
+
+def small_ngram_table(k: int = 3, w: int = 4):
+    """A toy N-Grammys table over 10 tokens: token t's top-k next tokens are t+1, t+2, ...
+    (mod 10) with bigram probabilities 0.5, 0.3, 0.2, ..., extended greedily to w tokens."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_retrieval_spec.ngrams.table import extend_bigram
+
+    top = np.array([[(t + i + 1) % 10 for i in range(k)] for t in range(10)], dtype=np.int32)
+    probs = np.tile(np.array([0.5, 0.3, 0.2, 0.1, 0.05, 0.02][:k], np.float32), (10, 1))
+    return SimpleNamespace(k=k, w=w, extended=extend_bigram(top, w), bigram_probs=probs)

@@ -1,4 +1,5 @@
-"""Chi-squared tests for the distribution checks (no SciPy in the test environment)."""
+"""Chi-squared tests for the distribution checks (no SciPy in the test environment), and the
+seeded engine samples they compare."""
 
 from __future__ import annotations
 
@@ -46,3 +47,19 @@ def two_sample_chi2_pvalue(first: np.ndarray, second: np.ndarray, min_count: int
     expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
     statistic = float(((table - expected) ** 2 / expected).sum())
     return chi2_sf(statistic, table.shape[1] - 1)
+
+
+def engine_samples(llm, prompt: str, seeds: range, max_tokens: int, temperature: float,
+                   **sampling) -> np.ndarray:
+    """Token ids ``[len(seeds), max_tokens]`` (-1 after an early end) of one seeded request per
+    seed, all on ``prompt``."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, **sampling)
+              for seed in seeds]
+    outputs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
+    tokens = np.full((len(seeds), max_tokens), -1, dtype=np.int64)
+    for row, output in enumerate(outputs):
+        ids = output.outputs[0].token_ids
+        tokens[row, : len(ids)] = ids
+    return tokens

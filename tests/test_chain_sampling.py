@@ -15,7 +15,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from distributions import two_sample_chi2_pvalue
+from distributions import engine_samples, two_sample_chi2_pvalue
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, spec_decode_counters
 
@@ -71,16 +71,7 @@ def test_expansion_repeats_each_request_value_over_its_tokens():
 
 def sample_tokens(llm, seeds: range, max_tokens: int = MAX_TOKENS, **sampling) -> np.ndarray:
     """Token ids ``[len(seeds), max_tokens]`` (-1 after an early end), one seeded request each."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, seed=seed, **sampling)
-              for seed in seeds]
-    outputs = llm.generate([PROMPT] * len(seeds), params, use_tqdm=False)
-    tokens = np.full((len(seeds), max_tokens), -1, dtype=np.int64)
-    for row, output in enumerate(outputs):
-        ids = output.outputs[0].token_ids
-        tokens[row, : len(ids)] = ids
-    return tokens
+    return engine_samples(llm, PROMPT, seeds, max_tokens, TEMPERATURE, **sampling)
 
 
 @pytest.fixture(scope="module")

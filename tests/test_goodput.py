@@ -17,7 +17,7 @@ CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
 def cost_model(base: float, per_request: float, per_token: float, steps: int = 200) -> StepCostModel:
     """A model that has learned an exact linear curve from varied steps."""
-    model = StepCostModel(prior=(base, per_request, per_token, 0.0))
+    model = StepCostModel(prior=(base, per_request, per_token, 0.0, 0.0))
     rng = np.random.default_rng(0)
     for _ in range(steps):
         reqs, extra = int(rng.integers(1, 33)), int(rng.integers(0, 129))
@@ -90,7 +90,7 @@ def test_cost_model_learns_a_linear_curve_and_ignores_idle_gaps():
 
 
 def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
     for _ in range(100):
         model.observe(0.08, 8, 8)  # never any drafts: the per-token cost is not observable
     assert model.coefficients[2] == pytest.approx(0.0015, rel=0.05)
@@ -153,7 +153,7 @@ def test_kept_nodes_move_to_the_front_with_parents_renumbered():
     parents = np.array([[-1, -1, 0, 1, 2]], np.int32)
     nodes = DraftNodes(np.array([[10, 11, 12, 13, 14]], np.int32), parents, np.array([5], np.int32),
                        np.ones((1, 5), np.float32), np.zeros((1, 5), np.int8), np.zeros((1, 5), np.int32))
-    tokens, new_parents, sizes = nodes.kept(np.array([[False, True, False, True, False]]))
+    tokens, new_parents, sizes, _ = nodes.kept(np.array([[False, True, False, True, False]]))
     assert sizes.tolist() == [2]
     assert tokens[0, :2].tolist() == [11, 13] and new_parents[0, :2].tolist() == [-1, 0]
 
@@ -176,20 +176,45 @@ def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
     main = main_paths(parents, np.full(2, 4))
     assert main.tolist() == [[True, False, True, False]] * 2
     model = cost_model(0.02, 0.001, 0.0001)
-    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0), prior_steps=1e9)
-    dear = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05), prior_steps=1e9)
+    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0), prior_steps=1e9)
+    dear = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05, 0.0), prior_steps=1e9)
     assert model.per_branching_tree == pytest.approx(0.0, abs=1e-4)
     assert choose_nodes(chance, np.full(2, 4), 2, cheap, 0.0, 0.05, main).keep.all()
     np.testing.assert_array_equal(choose_nodes(chance, np.full(2, 4), 2, dear, 0.0, 0.05, main).keep, main)
 
 
 def test_cost_model_learns_the_price_of_branching_trees():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
     rng = np.random.default_rng(3)
     for _ in range(300):
         reqs, extra, branching = int(rng.integers(1, 9)), int(rng.integers(0, 40)), int(rng.integers(0, 4))
         model.observe(0.04 + 0.002 * reqs + 0.0015 * extra + 0.03 * branching, reqs, reqs + extra, branching)
     assert model.per_branching_tree == pytest.approx(0.03, rel=0.15)  # the ridge pulls towards the prior
+
+
+def test_cost_model_learns_what_a_sampled_draft_token_adds():
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        reqs, extra = int(rng.integers(1, 9)), int(rng.integers(0, 40))
+        sampled = int(rng.integers(0, extra + 1))
+        model.observe(0.04 + 0.002 * reqs + 0.0015 * extra + 0.004 * sampled, reqs, reqs + extra, 0, sampled)
+    assert model.per_sampled_token == pytest.approx(0.004, rel=0.2)  # the ridge pulls towards the prior
+    assert model.per_token == pytest.approx(0.0015, rel=0.25)
+
+
+def test_nodes_of_sampling_requests_pay_for_their_dearer_verification():
+    """Same chances, but a sampled draft token costs five plain ones: the sampling rows keep
+    fewer nodes than the greedy rows, and none once verification is dear enough."""
+    chance = chain_chances(0.6)
+    samples = np.array([True, True, False, False])
+    dear = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.005), prior_steps=1e9)
+    choice = choose_nodes(chance, np.full(4, 8), 4, dear, draft_seconds=0.0, margin=0.0, samples=samples)
+    kept = choice.keep.sum(axis=1)
+    assert kept[2] == kept[3] > kept[0] == kept[1]
+    prohibitive = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.5), prior_steps=1e9)
+    choice = choose_nodes(chance, np.full(4, 8), 4, prohibitive, draft_seconds=0.0, margin=0.0, samples=samples)
+    assert not choice.keep[:2].any() and choice.keep[2:].any()
 
 
 def test_a_bucket_no_longer_drafted_drifts_back_to_its_prior():
@@ -205,16 +230,16 @@ def test_a_bucket_no_longer_drafted_drifts_back_to_its_prior():
 
 
 def test_searches_are_skipped_only_while_no_node_could_pay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0, 0.0), prior_steps=1e9))
     # A verified token costs as much as a step's worth of tokens: no first node can pay.
     assert not budget.worth_searching(["a", "b"], 2).any()
-    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0), prior_steps=1e9)
+    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0), prior_steps=1e9)
     assert budget.worth_searching(["a", "b"], 2).all()
     assert budget.stats.skipped_rows == 2
 
 
 def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0), prior_steps=1e9),
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0, 0.0), prior_steps=1e9),
                            calibration=AcceptanceCalibration(decay_every=50))
     nodes = nodes_of(np.ones((1, 1)), np.full((1, 1), -1, np.int32), SOURCE_CONTEXT, 1)
     bucket = budget.calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
@@ -228,7 +253,7 @@ def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
 
 
 def test_a_slow_search_must_pay_for_itself():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0), prior_steps=1e9))
     assert budget.worth_searching(["a"], 1).all()  # 0.5 prior chance vs a cheap token
     budget.search_seconds_per_row = 0.05  # a search takes as long as a step
     assert not budget.worth_searching(["a"], 1).any()

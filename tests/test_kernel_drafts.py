@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,11 +10,12 @@ from hypothesis.extra.numpy import arrays
 
 from vllm_retrieval_spec.drafts import Drafts
 from vllm_retrieval_spec.kernels import context_ngram
-from vllm_retrieval_spec.kernels.draft_merge import merge_drafts
+from vllm_retrieval_spec.kernels.draft_merge import conditional_probs, merge_drafts
 from vllm_retrieval_spec.kernels.draft_merge_reference import merge_drafts_reference
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
-from vllm_retrieval_spec.ngrams.table import extend_bigram
+
+from conftest import small_ngram_table
 
 
 @st.composite
@@ -29,20 +28,25 @@ def draft_blocks(draw) -> tuple[np.ndarray, np.ndarray]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(block=draft_blocks(), num_threads=st.integers(0, 3))
-def test_merge_matches_reference(block, num_threads):
-    got = merge_drafts(*block, num_threads=num_threads)
-    expected = merge_drafts_reference(*block)
-    for name, a, b in zip(("tree_tokens", "tree_parents", "tree_size"), got, expected):
-        assert a.dtype == np.int32 and np.array_equal(a, b), name
+@given(block=draft_blocks(), num_threads=st.integers(0, 3), weighted=st.booleans())
+def test_merge_matches_reference(block, num_threads, weighted):
+    weights = np.random.default_rng(len(block[1])).random(block[1].shape).astype(np.float32) if weighted else None
+    got = merge_drafts(*block, weights, num_threads=num_threads)
+    expected = merge_drafts_reference(*block, weights)
+    for name, a, b in zip(("tree_tokens", "tree_parents", "tree_size", "tree_weight"), got, expected):
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
 
 
 def test_merge_shares_prefixes_in_draft_order():
     drafts = np.array([[[1, 2, 3], [1, 2, 4], [5, 6, -1]]], dtype=np.int32)
-    tokens, parents, size = merge_drafts(drafts, np.array([[3, 3, 2]], dtype=np.int32))
+    lengths = np.array([[3, 3, 2]], dtype=np.int32)
+    tokens, parents, size, weight = merge_drafts(drafts, lengths, np.array([[0.5, 0.25, 0.25]], np.float32))
     assert size.tolist() == [6]
     assert tokens[0].tolist() == [1, 2, 3, 4, 5, 6, -1, -1, -1]
     assert parents[0].tolist() == [-1, 0, 1, 1, -1, 4, -1, -1, -1]
+    assert weight[0, :6].tolist() == [0.75, 0.75, 0.5, 0.25, 0.25, 0.25]
+    q = conditional_probs(parents, weight, lengths, np.array([[0.5, 0.25, 0.25]], np.float32))
+    assert q[0, :6].tolist() == pytest.approx([0.75, 1.0, 2 / 3, 1 / 3, 0.25, 1.0]) and q[0, 6:].tolist() == [0] * 3
 
 
 @pytest.mark.parametrize("length", [-1, 4])
@@ -86,21 +90,17 @@ def test_context_ngram_drafts_chain_is_slot_zero():
     assert drafts.tree_tokens is None
 
 
-def small_table(k: int = 3, w: int = 4) -> SimpleNamespace:
-    top = np.array([[(t + i + 1) % 10 for i in range(k)] for t in range(10)], dtype=np.int32)
-    return SimpleNamespace(k=k, w=w, extended=extend_bigram(top, w))
-
-
 def test_ngram_drafts_build_trees_only_when_asked():
     tokens, lengths, rows = contexts()
-    drafts = mixed_drafts(small_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
     assert_chains(drafts, [[9, 5], [3, 4]])
     assert drafts.tree_tokens is None
-    trees = mixed_drafts(small_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first",
+    trees = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first",
                          with_trees=True)
-    expected = merge_drafts_reference(trees.tokens, trees.lengths)
+    expected = merge_drafts_reference(trees.tokens, trees.lengths, trees.weights)
     assert all(np.array_equal(a, b) for a, b in zip((trees.tree_tokens, trees.tree_parents, trees.tree_size),
                                                      expected))
+    assert trees.tree_prob[0, :6].tolist() == pytest.approx([1 / 3, 1, 1 / 3, 1, 1 / 3, 1])
     assert drafts.tree(0) == trees.tree(0) == ([9, 5, 7, 8, 6, 7], [-1, 0, -1, 2, -1, 4])
 
 

@@ -25,17 +25,14 @@ from vllm_retrieval_spec.ngrams.table import (
 )
 from vllm_retrieval_spec.storage import write_manifest
 
+from conftest import small_ngram_table
+
 
 def test_extended_bigram_follows_the_greedy_bigram():
     top = np.array([[1, 2], [2, 0], [0, 1]], dtype=np.int32)  # token -> its top-2 next tokens
     extended = extend_bigram(top, 3)
     assert extended[0].tolist() == [[1, 2, 0], [2, 0, 1]]
     assert extended[2].tolist() == [[0, 1, 2], [1, 2, 0]]
-
-
-def small_table(k=3, w=4) -> SimpleNamespace:
-    top = np.array([[(t + i + 1) % 10 for i in range(k)] for t in range(10)], dtype=np.int32)
-    return SimpleNamespace(k=k, w=w, extended=extend_bigram(top, w))
 
 
 def as_rows(contexts):
@@ -48,7 +45,7 @@ def as_rows(contexts):
 
 def test_context_first_then_bigram():
     tokens, lengths, rows = as_rows([[5, 7, 8, 5, 9, 5], [1, 2]])
-    drafts = mixed_drafts(small_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
     assert drafts.from_context.tolist() == [2, 0]
     # row 0: context drafts after "5" (the most recent first on equal counts), then the bigram of 5
     assert drafts.tokens[0].tolist() == [[9, 5], [7, 8], [6, 7]]
@@ -59,7 +56,7 @@ def test_context_first_then_bigram():
 
 def test_mixing_policies():
     tokens, lengths, rows = as_rows([[5, 7, 5]])
-    table = small_table()
+    table = small_ngram_table()
     only_context = mixed_drafts(table, tokens, lengths, rows, k=3, w=2, q=1, mixing="context-only")
     assert only_context.lengths[0].tolist() == [2, 0, 0]
     only_bigram = mixed_drafts(table, tokens, lengths, rows, k=3, w=2, q=1, mixing="bigram-only")
@@ -158,7 +155,7 @@ TINY_VOCAB, TINY_K, TINY_W = 10, 3, 4
 
 def write_tiny_table(directory: Path, **manifest_changes: object) -> Path:
     """A table in the on-disk format without a model: token t's bigram is t+1, t+2, ..."""
-    top = small_table(TINY_K, TINY_W).extended[:, :, 0].copy()
+    top = small_ngram_table(TINY_K, TINY_W).extended[:, :, 0].copy()
     directory.mkdir(parents=True)
     top.tofile(directory / BIGRAM_TOKENS)
     np.full(top.shape, 1.0 / TINY_K, dtype=np.float32).tofile(directory / BIGRAM_PROBS)

@@ -81,3 +81,15 @@ def test_budget_options_are_read_and_checked():
         RetrievalSpecOptions.from_dict({"budget": "sometimes"})
     with pytest.raises(OptionsError, match=r"retrieval_spec\.output_index_tokens must be an integer in \[1024, "):
         RetrievalSpecOptions.from_dict({"output_index_tokens": 10})
+
+
+def test_candidate_options_are_read_and_checked():
+    options = RetrievalSpecOptions.from_dict({"candidates": "sampled", "candidates_per_node": 3,
+                                              "candidate_replacement": True, "draft_temperature": 0.5})
+    assert (options.candidates, options.candidates_per_node, options.candidate_replacement,
+            options.draft_temperature) == ("sampled", 3, True, 0.5)
+    assert RetrievalSpecOptions().candidates == "deterministic"
+    with pytest.raises(OptionsError, match=r"retrieval_spec\.candidates must be one of 'deterministic', 'sampled'"):
+        RetrievalSpecOptions.from_dict({"candidates": "random"})
+    with pytest.raises(OptionsError, match=r"retrieval_spec.draft_temperature must be a number in \[0.05"):
+        RetrievalSpecOptions.from_dict({"draft_temperature": 0})

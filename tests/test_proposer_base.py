@@ -74,20 +74,23 @@ def test_options_are_validated_at_construction():
 class RecordingSession:
     """The session a proposer sees, with a goodput budget and no runner behind it."""
 
-    def __init__(self, req_ids: list[str], budget) -> None:
+    def __init__(self, req_ids: list[str], budget, samples: list[bool] | None = None) -> None:
         self.step_req_ids = req_ids
         self.budget = budget
         self.output_index = None
+        self.step_samples = None if samples is None else np.array(samples)
         self.trees = {}
+        self.draft_q = {}
 
-    def publish(self, trees) -> None:
+    def publish(self, trees, draft_q=None) -> None:
         self.trees = dict(trees)
+        self.draft_q = dict(draft_q or {})
 
 
 def goodput_budget(per_token_seconds: float):
     from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
 
-    cost = StepCostModel(prior=(0.05, 0.002, per_token_seconds, 0.0), prior_steps=1e6)
+    cost = StepCostModel(prior=(0.05, 0.002, per_token_seconds, 0.0, 0.0), prior_steps=1e6)
     return GoodputBudget(margin=0.05, cost=cost)
 
 
@@ -117,3 +120,39 @@ def test_budget_auto_learns_from_the_next_step_and_trees_keep_parents_first():
     assert all(-1 <= parent < index for index, parent in enumerate(tree.parents))
     proposer.propose([[drafts[0][0], 7]], num_tokens, token_ids)  # the first node was accepted
     assert session.budget.stats.accepted_nodes == 1 and session.budget.stats.observed_nodes >= 2
+
+
+def rest_proposer(k: int, **options):
+    from vllm_retrieval_spec.proposers.rest import RestProposer
+
+    config = fake_vllm_config(k=k, options={"use_datastore": False, "use_output_index": False, "budget": "fixed",
+                                            **options})
+    config.model_config.tokenizer = None
+    return RestProposer(config)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampled_candidates_are_drawn_for_requests_that_sample_only(tree):
+    """Greedy rows keep the deterministic candidates; rows that sample get candidates drawn from
+    the trie's q, published with the distributions they were drawn from."""
+    context = [7, 1, 2, 3, 7, 1, 2, 4, 7, 1, 2, 5, 7, 1, 2]
+    num_tokens, token_ids = vllm_buffers([context, context])
+    deterministic = rest_proposer(6, tree=tree, min_ratio=0.0)
+    deterministic.bind_session(RecordingSession(["a", "b"], None, samples=[True, True]))
+    expected = deterministic.propose([[2], [2]], num_tokens, token_ids)[1]
+    proposer = rest_proposer(6, tree=tree, min_ratio=0.0, candidates="sampled", candidates_per_node=2)
+    session = RecordingSession(["a", "b"], None, samples=[True, False])
+    proposer.bind_session(session)
+    seen = set()
+    for _ in range(40):
+        drafts = proposer.propose([[2], [2]], num_tokens, token_ids)
+        assert drafts[1] == expected and 1 not in session.draft_q
+        drawn, q = session.trees[0], session.draft_q[0]
+        assert list(drawn.tokens) == drafts[0] and 0 < len(drafts[0]) <= 6
+        assert q.tokens.shape[0] == len(drafts[0]) + 1
+        for node, (token, parent) in enumerate(zip(drawn.tokens, drawn.parents)):
+            support = q.tokens[parent + 1]
+            assert token in support and q.probs[parent + 1][support == token][0] > 0
+            assert tree or parent == node - 1
+        seen.add(drafts[0][0])
+    assert seen == {3, 4, 5}, "every continuation of the context is drawn sometimes"

@@ -1,15 +1,21 @@
-"""The C++ tree packing and acceptance kernels equal their NumPy references, exactly."""
+"""The C++ tree packing and acceptance kernels (and their lazy target rows) equal their NumPy
+references, exactly."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from vllm_retrieval_spec.kernels import extension_backends
 from vllm_retrieval_spec.kernels.tree import (
     AcceptRule,
+    RowSampling,
+    SparseDraft,
     accept_trees,
     pack_tree_masks,
+    target_distributions,
     tree_depths,
     tree_row_offsets,
 )
@@ -17,7 +23,11 @@ from vllm_retrieval_spec.kernels.tree_reference import (
     accept_trees_reference,
     canonical_sample,
     canonical_total,
+    exp_neg,
     pack_tree_masks_reference,
+    sparse_to_dense,
+    target_distributions_reference,
+    target_row_reference,
     uniform,
 )
 
@@ -311,3 +321,305 @@ def test_cuda_kernels_match_cpu(seed):
     cpu_masks = pack_tree_masks(batch["parents"], batch["offsets"], 64)
     assert np.array_equal(masks.depth.cpu().numpy(), cpu_masks.depth)
     assert np.array_equal(masks.ancestor_mask.cpu().numpy(), cpu_masks.ancestor_mask)
+
+
+# ---- lazy target rows and sparse draft rows --------------------------------------------------
+
+
+def logit_row(rng: np.random.Generator, vocab: int, kind: str) -> np.ndarray:
+    """Raw logits with the awkward cases: ties, -inf entries, one finite token, NaN."""
+    if kind == "ties":
+        row = rng.integers(-3, 3, vocab).astype(np.float32)
+    elif kind == "masked":
+        row = rng.normal(0, 3, vocab).astype(np.float32)
+        row[rng.random(vocab) < 0.5] = -np.inf
+    elif kind == "single":
+        row = np.full(vocab, -np.inf, np.float32)
+        row[rng.integers(vocab)] = rng.normal()
+    elif kind == "flat":
+        row = np.where(rng.random(vocab) < 0.5, np.float32(0.0), np.float32(-0.0))
+    elif kind == "nan":
+        row = rng.normal(0, 2, vocab).astype(np.float32)
+        row[rng.integers(vocab)] = np.nan
+    else:
+        row = (rng.normal(0, 1, vocab) * rng.choice([0.5, 3.0, 30.0])).astype(np.float32)
+    return row
+
+
+LOGIT_KINDS = ("normal", "normal", "ties", "masked", "single", "flat", "nan")
+
+
+def random_sampling(rng: np.random.Generator, batch: int, vocab: int) -> RowSampling:
+    return RowSampling(
+        temperature=rng.choice([0.05, 0.7, 1.0, 2.5], batch).astype(np.float32),
+        top_k=rng.choice([0, -1, 1, 2, 5, max(1, vocab // 2), vocab, vocab + 7], batch).astype(np.int32),
+        top_p=rng.choice([1e-7, 0.3, 0.9, 0.99, 1.0, 1.5], batch).astype(np.float32),
+    )
+
+
+def sparse_rows(rng: np.random.Generator, targets: np.ndarray, width: int) -> SparseDraft:
+    """Draft rows of up to `width` tokens each, -1 padded anywhere: the target's likeliest
+    tokens (so candidates get accepted) and others, with probabilities near the target's or not."""
+    rows, vocab = targets.shape
+    tokens = np.full((rows, width), -1, np.int32)
+    probs = rng.random((rows, width)).astype(np.float32)  # padding carries junk on purpose
+    for r in range(rows):
+        size = int(rng.integers(0, min(width, vocab) + 1))
+        likely = np.argsort(-targets[r], kind="stable")[: size // 2]
+        others = rng.permutation(np.setdiff1d(np.arange(vocab), likely))[: size - len(likely)]
+        chosen = np.concatenate([likely, others]).astype(np.int32)
+        slots = rng.permutation(width)[:size]
+        tokens[r, slots] = chosen
+        total = targets[r].sum()
+        near = targets[r, chosen] / total if total > 0 else 0.0
+        probs[r, slots] = np.where(rng.random(size) < 0.5, near, rng.random(size)) * rng.uniform(0.5, 2)
+        probs[r, slots[rng.random(size) < 0.1]] = 0.0
+    return SparseDraft(tokens, probs)
+
+
+def lazy_batch(seed: int, vocab: int, sparse: bool, max_size: int = 12) -> dict:
+    """Logits, sampling parameters and draft rows (dense or sparse) for random trees whose
+    tokens mostly follow the parent's target (rules 1, and 0 now and then) or draft row."""
+    rng = np.random.default_rng(seed)
+    trees = random_trees(rng, int(rng.integers(1, 6)), max_size)
+    parents, offsets = flat_trees(trees)
+    rules = rng.choice([0, 1, 1, 2, 2, 3, 3], len(trees)).astype(np.int32)
+    sampling = random_sampling(rng, len(trees), vocab)
+    rows = len(parents) + len(trees)
+    row_request = np.repeat(np.arange(len(trees)), np.diff(offsets) + 1)
+    kinds = [str(rng.choice(LOGIT_KINDS[:-1] if rules[b] == AcceptRule.GREEDY else LOGIT_KINDS))
+             for b in row_request]  # greedy logits hold no NaN
+    scores = np.stack([logit_row(rng, vocab, kind) for kind in kinds])
+    targets = target_distributions_reference(
+        scores, RowSampling(*(a[row_request] for a in (sampling.temperature, sampling.top_k,
+                                                        sampling.top_p))))
+    if sparse:
+        draft = sparse_rows(rng, targets, int(rng.choice([1, 3, 8])))
+        dense = sparse_to_dense(draft, vocab)
+    else:
+        draft = None
+        dense = np.stack([probability_row(rng, vocab) for _ in range(rows)])
+        blend = rng.random(rows) < 0.5
+        dense[blend] = (targets[blend] / np.maximum(targets[blend].sum(1, keepdims=True), 1e-300)
+                        + dense[blend]).astype(np.float32)
+    tokens = np.empty(len(parents), np.int32)
+    for b, tree in enumerate(trees):
+        first_row = int(offsets[b]) + b
+        for local, parent in enumerate(tree):
+            row = (dense if rules[b] >= AcceptRule.MCSS else targets)[first_row + parent + 1]
+            follow = row.sum() > 0 and rng.random() < 0.85
+            tokens[offsets[b] + local] = (rng.choice(vocab, p=row / row.sum()) if follow
+                                          else rng.integers(vocab))
+    seeds = rng.integers(0, 2**63, len(trees), dtype=np.uint64)
+    batch = dict(scores=scores, tokens=tokens, parents=parents, offsets=offsets, rules=rules,
+                 seeds=seeds, sampling=sampling)
+    return batch | (dict(draft=draft) if sparse else dict(draft_probs=dense))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([1, 2, 7, 50, 300, 1100]),
+       sparse=st.booleans())
+def test_lazy_rows_match_reference(seed, vocab, sparse):
+    batch = lazy_batch(seed, vocab, sparse)
+    expected = accept_trees_reference(**batch)
+    for threads in (1, 3):
+        assert_same_acceptance(accept_trees(**batch, num_threads=threads), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([7, 50, 1100]))
+def test_sparse_draft_rows_equal_their_dense_rows(seed, vocab):
+    batch = lazy_batch(seed, vocab, sparse=True)
+    dense = sparse_to_dense(batch["draft"], vocab)
+    for sampling in (batch["sampling"], None):
+        if sampling is None:  # probabilities instead of logits
+            batch["scores"] = np.stack([probability_row(np.random.default_rng(seed + r), vocab)
+                                        for r in range(len(batch["scores"]))])
+        args = batch | dict(sampling=sampling)
+        sparse_result = accept_trees(**args)
+        dense_result = accept_trees(**(args | dict(draft=None, draft_probs=dense)))
+        assert_same_acceptance(sparse_result, dense_result)
+        assert_same_acceptance(sparse_result, accept_trees_reference(**args))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([7, 50, 1100]),
+       sparse=st.booleans())
+def test_lazy_rows_are_the_old_path_on_the_target_rows(seed, vocab, sparse):
+    """Verifying logits with sampling = verifying the rows' target distributions (float64, the
+    reference's rows; greedy rows keep their logits) without sampling."""
+    batch = lazy_batch(seed, vocab, sparse)
+    counts = np.diff(batch["offsets"]) + 1
+    per_row = RowSampling(*(np.repeat(a, counts) for a in (batch["sampling"].temperature,
+                                                            batch["sampling"].top_k,
+                                                            batch["sampling"].top_p)))
+    greedy_rows = np.repeat(batch["rules"] == AcceptRule.GREEDY, counts)
+    targets = target_distributions_reference(batch["scores"], per_row)
+    rows = np.where(greedy_rows[:, None], batch["scores"].astype(np.float64), targets)
+    old_path = accept_trees_reference(**(batch | dict(scores=rows, sampling=None)))
+    assert_same_acceptance(accept_trees(**batch), old_path)
+
+
+def test_lazy_rows_are_the_old_kernel_on_exact_target_rows():
+    """Where the target rows are exactly float32 (logits 0 or -inf give e in {0, 1}), the
+    kernel fed logits and the kernel fed the rows agree token for token."""
+    rng = np.random.default_rng(11)
+    trees = [tree_parents(rng, 12, shape) for shape in ("chain", "bushy", "random")] * 20
+    parents, offsets = flat_trees(trees)
+    vocab, rows = 40, len(parents) + len(trees)
+    scores = np.where(rng.random((rows, vocab)) < 0.4, np.float32(0.0), np.float32(-np.inf))
+    scores[:, 0] = 0.0
+    sampling = RowSampling(np.full(len(trees), 0.8, np.float32),
+                           rng.choice([0, 3, 10], len(trees)).astype(np.int32),
+                           rng.choice([0.2, 0.6, 1.0], len(trees)).astype(np.float32))
+    counts = np.diff(offsets) + 1
+    targets = target_distributions(scores, RowSampling(*(np.repeat(a, counts) for a in (
+        sampling.temperature, sampling.top_k, sampling.top_p))))
+    assert set(np.unique(targets)) <= {0.0, 1.0}
+    tokens = np.array([rng.choice(np.flatnonzero(targets[o + b + p + 1]))
+                       for b, tree in enumerate(trees) for o in [offsets[b]] for p in tree], np.int32)
+    args = dict(tokens=tokens, parents=parents, offsets=offsets,
+                rules=np.ones(len(trees), np.int32), seeds=np.arange(len(trees), dtype=np.uint64))
+    lazy = accept_trees(scores, **args, sampling=sampling)
+    assert_same_acceptance(lazy, accept_trees(targets.astype(np.float32), **args))
+    assert lazy.num_accepted.max() >= 2  # walks go past the root
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([1, 2, 5, 33, 1000, 3000]),
+       kind=st.sampled_from(LOGIT_KINDS))
+def test_target_rows_match_reference(seed, vocab, kind):
+    rng = np.random.default_rng(seed)
+    logits = np.stack([logit_row(rng, vocab, kind) for _ in range(4)])
+    sampling = random_sampling(rng, 4, vocab)
+    expected = target_distributions_reference(logits, sampling)
+    assert np.array_equal(target_distributions(logits, sampling), expected)
+    assert np.array_equal(target_distributions(logits, sampling, num_threads=2), expected)
+
+
+def test_target_rows_known_answers():
+    logits = np.array([[1.0, 3.0, 2.0, 3.0, -np.inf, np.nan]] * 4, np.float32)
+    sampling = RowSampling(np.array([1.0, 1.0, 2.0, 1.0], np.float32),
+                           np.array([0, 1, 3, 0], np.int32), np.array([1.0, 1.0, 1.0, 1e-9], np.float32))
+    rows = target_distributions(logits, sampling)
+    e = np.exp([-2.0, 0.0, -1.0, 0.0])
+    assert np.allclose(rows[0], [*e, 0, 0], rtol=1e-15)
+    assert np.array_equal(rows[1] > 0, [False, True, False, True, False, False])  # ties kept
+    assert np.allclose(rows[2], [0, 1, np.exp(-0.5), 1, 0, 0], rtol=1e-15)
+    assert rows[3].tolist() == [0, 0, 0, 1, 0, 0]  # at least one token: the last of the ties
+    assert canonical_total(rows[0]) == pytest.approx(e.sum(), rel=1e-15)
+
+
+def test_exp_neg_is_accurate():
+    y = -np.linspace(0, 700, 200001)
+    assert np.allclose(exp_neg(y), np.exp(y), rtol=4e-16, atol=0)
+    assert exp_neg(np.array([-700.5, -np.inf, 0.0])).tolist() == [0.0, 0.0, 1.0]
+
+
+def _vllm_rows(logits: np.ndarray, sampling: RowSampling) -> np.ndarray:
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    vocab = logits.shape[1]
+    k = np.where((sampling.top_k > 0) & (sampling.top_k < vocab), sampling.top_k, vocab)
+    scaled = torch.from_numpy(logits) / torch.from_numpy(sampling.temperature)[:, None]
+    processed = apply_top_k_top_p(scaled, torch.from_numpy(k).long(),
+                                  torch.from_numpy(np.minimum(sampling.top_p, 1.0)))
+    return processed.softmax(dim=-1).numpy()
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([2, 10, 500, 5000]))
+def test_target_rows_are_vllms(seed, vocab):
+    """softmax(apply_top_k_top_p(logits / T, k, p)), to float32 tolerance, on rows without
+    boundary ties: distinct logits and a top-p cut clear of float32 rounding."""
+    pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    rng = np.random.default_rng(seed)
+    rows = 3
+    logits = (rng.permutation(vocab)[None, :] * 0.013 + rng.normal(0, 3, (rows, 1))).astype(np.float32)
+    logits = np.stack([rng.permutation(row) * float(rng.choice([0.3, 1.0, 4.0]))
+                       for row in logits]).astype(np.float32)
+    sampling = random_sampling(rng, rows, vocab)
+    ours = target_distributions(logits, sampling)
+    for r in range(rows):
+        e = target_row_reference(logits[r], sampling.temperature[r], sampling.top_k[r], 1.0)
+        ascending = np.sort(e[e > 0])
+        margin = np.abs(np.cumsum(ascending) / ascending.sum() - (1 - float(sampling.top_p[r])))
+        assume(sampling.top_p[r] >= 1 or margin.min() > 1e-5)
+    expected = _vllm_rows(logits, sampling)
+    got = ours / ours.sum(axis=1, keepdims=True)
+    assert (expected[got == 0] == 0).all()  # the same kept tokens, but where float32 underflows
+    assert (expected[got > 1e-37] > 0).all()
+    # vLLM rounds x = logits / T to float32: relative errors of a few ulp(max |x|) in exp
+    x_max = np.abs(logits / sampling.temperature[:, None]).max(axis=1, keepdims=True)
+    assert (np.abs(got - expected) <= (1e-5 + 4 * x_max * 2.0**-24) * got + 1e-7).all()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(sampling=RowSampling([0.0], [0], [1.0])), "sampling.temperature\\[0\\] = 0.0 must be"),
+        (dict(sampling=RowSampling([1.0], [0], [0.0])), "sampling.top_p\\[0\\] = 0.0 must be > 0"),
+        (dict(sampling=RowSampling([1.0, 1.0], [0, 0], [1.0, 1.0])),
+         "sampling.temperature must have one entry per request"),
+        (dict(rules=[2], draft=SparseDraft(np.zeros((4, 2)), np.ones((4, 2))),
+              draft_probs=np.ones((4, 5))), "not both"),
+        (dict(rules=[2], draft=SparseDraft(np.zeros((3, 2)), np.ones((3, 2)))),
+         "draft.tokens and draft.probs must both be \\[N \\+ B, M\\]"),
+        (dict(rules=[3], draft=SparseDraft([[1, 1]] * 4, np.ones((4, 2)))),
+         "draft.tokens\\[0\\] lists token 1 twice"),
+        (dict(rules=[3], draft=SparseDraft([[1, -2]] * 4, np.ones((4, 2)))),
+         "draft.tokens\\[0, 1\\] = -2 must be a token in \\[0, 5\\) or -1"),
+        (dict(rules=[3], draft=SparseDraft([[1, -1]] * 4, [[-1.0, -1.0]] * 4)),
+         "draft.probs\\[0, 0\\] = -1.0 must be finite and >= 0"),
+    ],
+)
+def test_bad_sampling_and_sparse_drafts_are_rejected(change, message):
+    args = dict(scores=np.ones((4, 5), np.float32), tokens=[0, 1, 2], parents=[-1, 0, 0],
+                offsets=[0, 3], rules=[1], seeds=[0]) | change
+    with pytest.raises(ValueError, match=message):
+        accept_trees(**args)
+
+
+def test_greedy_requests_ignore_sampling():
+    rng = np.random.default_rng(3)
+    batch = random_batch(rng, 50, [list(range(-1, 9))] * 5, rules=[0] * 5)
+    sampling = RowSampling(np.zeros(5, np.float32), np.ones(5, np.int32), np.full(5, 0.1, np.float32))
+    assert_same_acceptance(accept_trees(**batch, sampling=sampling), accept_trees(**batch))
+
+
+def test_extension_checks_sampling_and_sparse_shapes():
+    from vllm_retrieval_spec.kernels.extension import load_extension
+
+    ext = load_extension()
+    args = (np.ones((2, 4), np.float32), None, np.zeros(1, np.int32), np.full(1, -1, np.int32),
+            np.array([0, 1], np.int32), np.ones(1, np.int32), np.zeros(1, np.uint64),
+            np.empty((1, 2), np.int32), np.empty((1, 1), np.int32), np.empty(1, np.int32))
+    with pytest.raises(ValueError, match="must be given together"):
+        ext.accept_trees(*args, temperature=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="draft_tokens and draft_values must both be"):
+        ext.accept_trees(*args, draft_tokens=np.zeros((1, 3), np.int32),
+                         draft_values=np.zeros((1, 3), np.float32))
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
+@pytest.mark.parametrize("seed", range(20))
+def test_cuda_lazy_and_sparse_rows_match_cpu(seed):
+    import torch
+
+    vocab = [7, 50, 1100, 40000][seed % 4]
+    batch = lazy_batch(3000 + seed, vocab, sparse=seed % 2 == 1)
+    expected = accept_trees(**batch)
+
+    def cuda(value):
+        if isinstance(value, (RowSampling, SparseDraft)):
+            return type(value)(*(torch.from_numpy(np.asarray(v)).cuda() for v in vars(value).values()))
+        return torch.from_numpy(np.asarray(value)).cuda()
+
+    got = accept_trees(**{k: cuda(v) for k, v in batch.items()})
+    for name in ("out_tokens", "path_nodes", "num_accepted"):
+        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
+    logits = batch["scores"][: len(batch["rules"])]
+    sampling = RowSampling(*(np.asarray(v) for v in vars(batch["sampling"]).values()))
+    rows = target_distributions(cuda(logits), cuda(sampling))
+    assert np.array_equal(rows.cpu().numpy(), target_distributions(logits, sampling))

@@ -8,6 +8,7 @@ drafter knows of each (source, match length, raw acceptance guess) for the goodp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -60,14 +61,19 @@ class DraftNodes:
     def width(self) -> int:
         return self.tokens.shape[1]
 
-    def kept(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def subset(self, rows: np.ndarray) -> DraftNodes:
+        """The nodes of ``rows`` only."""
+        return DraftNodes(*(np.asarray(getattr(self, f.name))[rows] for f in dataclasses.fields(self)))
+
+    def kept(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The nodes where ``keep`` (closed under parents) moved to the front of each row, in
-        their order (parents still first), parents renumbered: tokens, parents, sizes."""
+        their order (parents still first), parents renumbered: tokens, parents, sizes, sources."""
         order = np.argsort(~keep, axis=1, kind="stable")
         position = np.cumsum(keep, axis=1) - 1
         parents = np.take_along_axis(np.asarray(self.parents), order, axis=1)
         renumbered = np.where(parents >= 0, np.take_along_axis(position, np.maximum(parents, 0), axis=1), -1)
-        return np.take_along_axis(self.tokens, order, axis=1), renumbered, keep.sum(axis=1)
+        return (np.take_along_axis(self.tokens, order, axis=1), renumbered, keep.sum(axis=1),
+                np.take_along_axis(np.asarray(self.source), order, axis=1))
 
 
 @runtime_checkable

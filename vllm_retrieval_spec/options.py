@@ -14,6 +14,7 @@ from typing import Any
 OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 BUDGET_POLICIES = ("auto", "fixed")
+CANDIDATE_RULES = ("deterministic", "sampled")
 # Renamed options, old name -> new name: the old names are rejected with a message naming the new.
 RENAMED_OPTIONS = {
     "k": "ngrammys_drafts",
@@ -165,6 +166,24 @@ class RetrievalSpecOptions:
     )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
+    )
+
+    candidates: str = _option(
+        "deterministic", _one_of(*CANDIDATE_RULES),
+        "requests at temperature > 0: deterministic: verify the drafter's best nodes with the lossless "
+        "deterministic-candidate rule; sampled: draw each node's candidates from the drafter's own distribution q "
+        "and verify them with multi-candidate speculative sampling (MCSS) using that q",
+    )
+    candidates_per_node: int = _option(
+        2, _int_in(1, 16), "candidates sampled, tree mode: candidates drawn under each node (chains draw one)"
+    )
+    candidate_replacement: bool = _option(
+        False, _bool, "candidates sampled: draw a node's candidates with replacement (MCSS) instead of without"
+    )
+    draft_temperature: float = _option(
+        1.0, _float_in(0.05, 100.0),
+        "candidates sampled: q is the drafter's weight of each child to the power 1 / draft_temperature, normalised "
+        "over the node's children (below 1 sharpens q)",
     )
 
     budget: str = _option(

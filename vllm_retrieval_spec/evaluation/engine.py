@@ -36,6 +36,7 @@ class EngineSpec:
     max_model_len: int = 2048
     dtype: str = "float32"
     seed: int = 0
+    block_size: int | None = None  # KV cache block (None: the platform's); prefix caching reuses full blocks
 
 
 def build_llm(spec: EngineSpec) -> LLM:
@@ -52,6 +53,7 @@ def build_llm(spec: EngineSpec) -> LLM:
         additional_config=dict(spec.additional_config or {}),
         disable_log_stats=False,
         seed=spec.seed,
+        **({} if spec.block_size is None else {"block_size": spec.block_size}),
     )
 
 

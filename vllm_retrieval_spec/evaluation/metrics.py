@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,13 @@ class SpecDecodeCounters:
     accepted_tokens: int = 0
 
     def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
-        return SpecDecodeCounters(
-            self.drafts - other.drafts,
-            self.draft_tokens - other.draft_tokens,
-            self.accepted_tokens - other.accepted_tokens,
-        )
+        return self._combine(other, operator.sub)
+
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return self._combine(other, operator.add)
+
+    def _combine(self, other: SpecDecodeCounters, op: Callable[[int, int], int]) -> SpecDecodeCounters:
+        return SpecDecodeCounters(*(op(a, b) for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ Each step, in the proposers' base (through the session):
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
    keeps the best for the whole batch (:func:`choose_nodes`) and remembers them for step 1.
 
-The session feeds the cost model with each step's duration and scheduled tokens.
+The session feeds the cost model with each step's duration and scheduled tokens. On
+tensor-parallel engines (:meth:`GoodputBudget.for_engine`) both durations the budget reads,
+step and drafting time, are the first rank's, so that every rank chooses the same nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm_retrieval_spec.drafts import DraftNodes, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration, node_depths, path_products
 from vllm_retrieval_spec.goodput.chooser import choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
+from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,15 @@ class GoodputBudget:
     factors: RequestFactors = field(default_factory=RequestFactors)
     stats: BudgetStats = field(default_factory=BudgetStats)
     search_seconds_per_row: float = 0.0  # drafting time per searched row (moving average)
+    clock: SharedClock | None = field(default=None, repr=False)  # None: this process's drafting times
     _pending: PendingNodes | None = None
+
+    @classmethod
+    def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1) -> GoodputBudget:
+        """One runner's budget: the device's cost prior and, with more than one
+        tensor-parallel rank, the first rank's clock for step and drafting times."""
+        clock = tensor_parallel_clock(tensor_parallel_size)
+        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock), clock=clock)
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
         """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""
@@ -147,16 +158,18 @@ class GoodputBudget:
         count_sources(self.stats.observed_by_source, source[observed])
         count_sources(self.stats.accepted_by_source, source[accepted])
 
-    def worth_searching(self, req_ids: Sequence[str], num_reqs: int) -> np.ndarray:
+    def worth_searching(self, req_ids: Sequence[str], num_reqs: int,
+                        samples: np.ndarray | None = None) -> np.ndarray:
         """Rows whose best possible first node could pay: its optimistic chance (the best
-        root-child bucket times the request's factor) is at least what verifying it and
-        searching for it cost, in tokens, at the rate of a step of ``num_reqs`` requests
-        without drafts (fresh every step, and the search time decays on steps where every
-        search is skipped, so that no decision freezes)."""
+        root-child bucket times the request's factor) is at least what verifying it (more for
+        a request that ``samples``) and searching for it cost, in tokens, at the rate of a step
+        of ``num_reqs`` requests without drafts (fresh every step, and the search time decays
+        on steps where every search is skipped, so that no decision freezes)."""
         if not len(req_ids):
             return np.ones(0, bool)
         rate = num_reqs / max(float(self.cost.predict(num_reqs, num_reqs)), 1e-9)
-        threshold = rate * (self.cost.per_token + self.search_seconds_per_row)
+        verify = self.cost.per_token + (0.0 if samples is None else self.cost.per_sampled_token * samples)
+        threshold = rate * (verify + self.search_seconds_per_row)
         factor = self.factors.factor(self.factors.slots_of(req_ids))
         worth = np.minimum(self.calibration.best_first_chance() * factor, MAX_CHANCE) >= threshold
         self.stats.skipped_rows += int((~worth).sum())
@@ -168,9 +181,11 @@ class GoodputBudget:
         return worth
 
     def choose(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
-               draft_seconds: float, trees: bool = False) -> np.ndarray:
+               draft_seconds: float, trees: bool = False, samples: np.ndarray | None = None) -> np.ndarray:
         """The candidate nodes to verify (``[rows, N]`` mask, closed under parents); ``trees``:
-        the nodes form trees that may branch."""
+        the nodes form trees that may branch; ``samples``: the rows whose requests sample."""
+        if self.clock is not None:  # the first rank's drafting time, before anything reads it
+            draft_seconds = self.clock.shared(draft_seconds)
         width = nodes.width
         valid = np.arange(width)[None, :] < nodes.size[:, None]
         depth = node_depths(nodes.parents)
@@ -182,7 +197,7 @@ class GoodputBudget:
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
         main_path = main_paths(nodes.parents, nodes.size) if trees else None
         choice = choose_nodes(path_products(chance, nodes.parents), budgets, num_reqs, self.cost,
-                              draft_seconds, self.margin, main_path)
+                              draft_seconds, self.margin, main_path, samples)
         self.calibration.tick()
         self.stats.steps += 1
         self.stats.candidate_nodes += int(valid.sum())
@@ -198,13 +213,14 @@ class GoodputBudget:
 
     def log_summary(self) -> None:
         """The learned step cost and what the budget kept and saw accepted (logged periodically)."""
-        a, b, c, d = (1000 * x for x in self.cost.coefficients)
+        a, b, c, d, e = (1000 * x for x in self.cost.coefficients)
         stats = self.stats
         logger.info(
-            "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.1f ms/branching tree; "
-            "kept %d of %d candidate nodes over %d steps (%d drafted), %d of %d observed nodes accepted, "
-            "%d searches skipped", a, b, c, d, stats.chosen_nodes, stats.candidate_nodes, stats.steps,
-            stats.drafted_steps, stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows,
+            "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.1f ms/branching tree + "
+            "%.3f ms/sampled draft token; kept %d of %d candidate nodes over %d steps (%d drafted), %d of %d "
+            "observed nodes accepted, %d searches skipped", a, b, c, d, e,
+            stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps, stats.accepted_nodes,
+            stats.observed_nodes, stats.skipped_rows,
         )
 
     def nothing_drafted(self) -> None:

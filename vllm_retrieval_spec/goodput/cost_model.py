@@ -1,12 +1,15 @@
 """The running engine's step-cost curve, learned online from real steps.
 
-One target step (drafting excluded) takes ``t(B, N, T) = a + b·B + c·(N − B) + d·T``
+One target step (drafting excluded) takes ``t(B, N, T, S) = a + b·B + c·(N − B) + d·T + e·S``
 seconds for ``B`` requests, ``N`` scheduled tokens (``N − B``: drafts to verify and prefill
-beyond one token per request) and ``T`` requests whose draft tree branches (tree attention
-and KV compaction cost extra per such request). The fit is least squares over decaying
-sums, pulled towards a start-up prior by a ridge worth ``prior_steps`` steps, so that the
-per-token cost ``c`` stays sensible while steps do not yet vary in their token counts. Steps
-far slower than predicted (an idle engine waiting for requests) are not learned from.
+beyond one token per request), ``T`` requests whose draft tree branches (tree attention and KV
+compaction cost extra per such request) and ``S`` draft tokens of requests that sample
+(temperature > 0: verifying them needs the target's distribution, not only its argmax).
+The fit is least squares over decaying sums, pulled towards a start-up prior by a ridge worth
+``prior_steps`` steps, so that the per-token cost ``c`` stays sensible while steps do not yet
+vary in their token counts. Steps far slower than predicted (an idle engine waiting for
+requests) are not learned from. On tensor-parallel engines the step times are the first rank's
+(``clock``, ``ranks.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Start-up priors (seconds): base, per request, per extra token, per branching tree. The CPU
-# one is SmolLM2-135M fp32 on 2 cores; the data replaces either within tens of steps.
+from vllm_retrieval_spec.goodput.ranks import SharedClock
+
+# Start-up priors (seconds): base, per request, per extra token, per branching tree, per sampled
+# draft token. The CPU one is SmolLM2-135M fp32 on 2 cores; the data replaces either within tens
+# of steps.
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.02),
-    "cuda": (0.010, 0.0002, 0.00005, 0.001),
+    "cpu": (0.040, 0.002, 0.0015, 0.02, 0.0002),
+    "cuda": (0.010, 0.0002, 0.00005, 0.001, 0.00001),
 }
-FEATURES = 4
+FEATURES = 5
 OUTLIER_FACTOR = 3.0
 WARM_UP_STEPS = 8
 
@@ -35,17 +41,18 @@ class StepCostModel:
     prior_steps: float = 16.0
     steps: int = 0
     rejected: int = 0
+    clock: SharedClock | None = field(default=None, repr=False)  # None: this process's step times
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES)), repr=False)
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(FEATURES), repr=False)
     _theta: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def for_device(cls, device_type: str) -> StepCostModel:
-        return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]))
+    def for_device(cls, device_type: str, clock: SharedClock | None = None) -> StepCostModel:
+        return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]), clock=clock)
 
     @property
     def coefficients(self) -> np.ndarray:
-        """``(a, b, c, d)`` in seconds, each at least zero."""
+        """``(a, b, c, d, e)`` in seconds, each at least zero."""
         if self._theta is None:
             self._theta = self._solve()
         return self._theta
@@ -58,21 +65,30 @@ class StepCostModel:
     def per_branching_tree(self) -> float:
         return float(self.coefficients[3])
 
-    def predict(self, num_reqs: float, num_tokens: np.ndarray | float, branching: np.ndarray | float = 0) -> np.ndarray:
-        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens and
-        ``branching`` branching trees."""
-        a, b, c, d = self.coefficients
-        return a + b * num_reqs + c * (np.asarray(num_tokens, np.float64) - num_reqs) + d * np.asarray(branching)
+    @property
+    def per_sampled_token(self) -> float:
+        """What a draft token of a sampling request costs on top of ``per_token``."""
+        return float(self.coefficients[4])
 
-    def observe(self, seconds: float, num_reqs: int, num_tokens: int, branching: int = 0) -> bool:
+    def predict(self, num_reqs: float, num_tokens: np.ndarray | float, branching: np.ndarray | float = 0,
+                sampled: np.ndarray | float = 0) -> np.ndarray:
+        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens, ``branching``
+        branching trees and ``sampled`` draft tokens of requests that sample."""
+        a, b, c, d, e = self.coefficients
+        extra = np.asarray(num_tokens, np.float64) - num_reqs
+        return a + b * num_reqs + c * extra + d * np.asarray(branching) + e * np.asarray(sampled)
+
+    def observe(self, seconds: float, num_reqs: int, num_tokens: int, branching: int = 0, sampled: int = 0) -> bool:
         """Learn from one step; False when it was rejected as an outlier."""
+        if self.clock is not None:
+            seconds = self.clock.shared(seconds)
         if num_reqs <= 0 or seconds <= 0:
             return False
-        predicted = float(self.predict(num_reqs, num_tokens, branching))
+        predicted = float(self.predict(num_reqs, num_tokens, branching, sampled))
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
             self.rejected += 1
             return False
-        x = np.array([1.0, num_reqs, max(num_tokens - num_reqs, 0), branching])
+        x = np.array([1.0, num_reqs, max(num_tokens - num_reqs, 0), branching, sampled])
         self._xx = self.forgetting * self._xx + np.outer(x, x)
         self._xy = self.forgetting * self._xy + x * seconds
         self.steps += 1
@@ -88,7 +104,7 @@ class StepCostModel:
     def _solve(self) -> np.ndarray:
         prior = np.asarray(self.prior, np.float64)
         # The ridge weighs the prior like prior_steps typical steps would.
-        scale = np.array([1.0, 8.0, 8.0, 1.0]) ** 2 * self.prior_steps
+        scale = np.array([1.0, 8.0, 8.0, 1.0, 8.0]) ** 2 * self.prior_steps
         ridge = np.diag(scale)
         theta = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
         return np.maximum(theta, 0.0)

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 PREFIX = "vllm_retrieval_spec:"
 LABELS = ("model_name", "engine", "proposer")
 DRAFTING_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
-COST_TERMS = ("step", "request", "draft_token", "branching_tree")  # the cost model's coefficients, in order
+# The cost model's coefficients, in order.
+COST_TERMS = ("step", "request", "draft_token", "branching_tree", "sampled_draft_token")
 
 Total = int | Mapping[str, int]  # one count, or counts by the value of the counter's own label
 
@@ -189,8 +190,15 @@ class RunnerMetrics:
 
 def runner_labels(vllm_config: VllmConfig, drafter: DraftProposer) -> tuple[str, str, str]:
     """``model_name`` and ``engine`` as vLLM labels its own metrics, and the proposer's class."""
-    return (str(vllm_config.model_config.served_model_name), str(vllm_config.parallel_config.data_parallel_rank),
-            type(drafter).__name__)
+    return str(vllm_config.model_config.served_model_name), engine_label(vllm_config), type(drafter).__name__
+
+
+def engine_label(vllm_config: VllmConfig) -> str:
+    """The engine's data-parallel rank, vLLM's ``engine`` label. Dense models' data-parallel
+    engines are independent: vLLM resets their ``data_parallel_rank`` to 0 and keeps the rank
+    in ``data_parallel_index``."""
+    parallel = vllm_config.parallel_config
+    return str(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
 
 
 def tensor_parallel_rank() -> int:

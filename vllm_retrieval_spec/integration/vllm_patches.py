@@ -20,7 +20,7 @@ import torch
 
 from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
+from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.integration.metrics import attach_metrics
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.options import RetrievalSpecOptions
@@ -197,10 +197,13 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     """Create the runner's :class:`SpecSession` (with its metrics), hand it to the drafter and
     hook the runner."""
     options = drafter.options
+    ranks = runner.parallel_config.tensor_parallel_size  # > 1: every rank must draft what the first does
     budget = None
     if options.budget == "auto":
-        budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel.for_device(runner.device.type))
-    output_index = OutputIndex(options.output_index_tokens) if drafter.uses_output_index() else None
+        budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks)
+    output_index = None
+    if drafter.uses_output_index():  # a background build would land at a different step on each rank
+        output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index)
     drafter.bind_session(session)
@@ -223,7 +226,9 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         # sample_hidden_states, aux_hidden_states, spec_decode_metadata, ...)
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                     sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-            session.begin_step(runner.input_batch.req_ids, scheduler_output.total_num_scheduled_tokens)
+            batch = runner.input_batch
+            session.begin_step(batch.req_ids, scheduler_output.total_num_scheduled_tokens,
+                               batch.temperature_cpu[: batch.num_reqs] > 0)
             if reads_hidden_states:
                 drafts = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
                 session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids)
@@ -238,7 +243,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     _hook(runner, "_update_states", release_finished)
     _hook(runner, "propose_draft_token_ids", begin_step)
     if session.tree_mode:
-        _install_tree_verification(runner, session)
+        _install_tree_attention(runner, session)
+    _install_sampler(runner, session, options.candidate_replacement)
     return session
 
 
@@ -251,19 +257,10 @@ def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> Iterator
             yield batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]]
 
 
-def _install_tree_verification(runner: GPUModelRunner, session: SpecSession) -> None:
-    """Positions after ``_prepare_inputs``, the tree sampler, tree attention on every
-    attention layer once the model is loaded."""
-    if runner.device.type not in ("cpu", "cuda"):
-        raise TreeModeError(
-            f"retrieval_spec.tree (tree verification) runs on CPUs and CUDA GPUs, not on "
-            f"{runner.device.type}; use chain mode (leave retrieval_spec.tree false)"
-        )
-    if len(runner.input_batch.block_table.block_tables) != 1:
-        raise TreeModeError("tree verification supports models with one KV cache group (full attention)")
-    if runner.device.type == "cuda":
-        keep_attention_eager(runner.compilation_config)
-    runner.rejection_sampler = TreeRejectionSampler(runner.sampler, session, lambda: runner.kv_caches)
+def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: bool) -> None:
+    """Our sampler, and the session's step plan after ``_prepare_inputs`` (positions of
+    branching trees, the trees and draft distributions the sampler verifies)."""
+    runner.rejection_sampler = TreeRejectionSampler(runner.sampler, session, lambda: runner.kv_caches, replacement)
 
     def plan_step(original: Callable) -> Callable:
         def _prepare_inputs(scheduler_output, *args, **kwargs):
@@ -273,6 +270,21 @@ def _install_tree_verification(runner: GPUModelRunner, session: SpecSession) -> 
 
         return _prepare_inputs
 
+    _hook(runner, "_prepare_inputs", plan_step)
+
+
+def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> None:
+    """Tree attention on every attention layer once the model is loaded."""
+    if runner.device.type not in ("cpu", "cuda"):
+        raise TreeModeError(
+            f"retrieval_spec.tree (tree verification) runs on CPUs and CUDA GPUs, not on "
+            f"{runner.device.type}; use chain mode (leave retrieval_spec.tree false)"
+        )
+    if len(runner.input_batch.block_table.block_tables) != 1:
+        raise TreeModeError("tree verification supports models with one KV cache group (full attention)")
+    if runner.device.type == "cuda":
+        keep_attention_eager(runner.compilation_config)
+
     def hook_attention(original: Callable) -> Callable:
         def load_model(*args, **kwargs):
             result = original(*args, **kwargs)
@@ -281,7 +293,6 @@ def _install_tree_verification(runner: GPUModelRunner, session: SpecSession) -> 
 
         return load_model
 
-    _hook(runner, "_prepare_inputs", plan_step)
     _hook(runner, "load_model", hook_attention)
 
 

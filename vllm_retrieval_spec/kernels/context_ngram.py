@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, DraftArrays
+from vllm_retrieval_spec.kernels.draft_merge import merged_trees
 from vllm_retrieval_spec.kernels.extension import cuda_torch, is_cuda_tensor, load_extension
 
 
 @dataclass
 class ContextNgramDrafts(DraftArrays):
-    """Up to ``k`` drafts per requested row; the chain is draft 0, there are no trees.
+    """Up to ``k`` drafts per requested row; the chain is draft 0; trees (the drafts merged,
+    each node's ``tree_prob`` its share of its parent's counts) only after :meth:`build_trees`.
 
     ``tokens`` is ``[rows, k, w]`` padded with -1, ``lengths`` and ``counts`` are
     ``[rows, k]`` (0 for empty slots) and ``match_len`` is the ``q`` that matched per row
@@ -31,8 +33,17 @@ class ContextNgramDrafts(DraftArrays):
     lengths: Any
     counts: Any
     match_len: Any
+    tree_tokens: Any = None
+    tree_parents: Any = None
+    tree_size: Any = None
+    tree_prob: Any = None
 
-    tree_tokens = tree_parents = tree_size = None
+    def build_trees(self, num_threads: int = 0) -> ContextNgramDrafts:
+        """Merge every row's drafts into one tree weighted by their counts; returns self."""
+        self.tree_tokens, self.tree_parents, self.tree_size, self.tree_prob = merged_trees(
+            self.tokens, self.lengths, self.counts, num_threads=num_threads
+        )
+        return self
 
     def row_match_len(self) -> dict[int, Any]:
         return {SOURCE_CONTEXT: self.match_len}

@@ -11,6 +11,11 @@ Each kernel runs in C++ (NumPy arrays, CPU threads) or CUDA (torch CUDA tensors)
 NumPy reference in :mod:`vllm_retrieval_spec.kernels.tree_reference` that it matches exactly: the
 acceptance rules, the draw order, the counter-based uniforms and the canonical sums are specified
 in ``csrc/tree_accept.h`` and ``csrc/rng.h`` and mirrored there.
+
+Sampled requests can hand the kernel raw logits with their :class:`RowSampling` parameters: it
+then computes the target distribution (temperature, top-k, top-p) only for the rows its walk
+visits, without sorting the vocabulary (:func:`target_distributions` gives the same rows for
+any logits). Draft distributions of the MCSS rules can be sparse (:class:`SparseDraft`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,35 @@ class AcceptRule(enum.IntEnum):
     CANDIDATES = 1  # deterministic candidates (retrieval drafts), scores are probabilities
     MCSS = 2  # multi-candidate speculative sampling, candidates drawn with replacement from q
     MCSS_NO_REPLACEMENT = 3  # ... drawn without replacement
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-request sampling parameters, for :func:`accept_trees` given raw logits.
+
+    ``temperature`` ``[B]`` float32 (> 0 for the sampled rules 1-3; greedy requests ignore it),
+    ``top_k`` ``[B]`` int32 (``<= 0`` or ``>= V``: off), ``top_p`` ``[B]`` float32 (> 0;
+    ``>= 1``: off). NumPy arrays (or anything array-like) on the CPU, tensors for CUDA.
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+
+
+@dataclass(frozen=True)
+class SparseDraft:
+    """Draft distributions of the MCSS rules as sparse rows, lined up with the score rows.
+
+    ``tokens`` ``[N + B, M]`` int32, ``-1`` padded, distinct within a row; ``probs`` ``[N + B, M]``
+    float32 (>= 0, unnormalised is fine) the draft probability of each listed token. Row ``r``'s
+    ``q`` is zero outside its listed tokens, which may include tokens that are not children of
+    the node (they still enter the residual ``max(p - q, 0)``). Cost per visited row is
+    ``O(M^2)`` and memory ``O(M)``, independent of ``V``.
+    """
+
+    tokens: Any
+    probs: Any
 
 
 @dataclass
@@ -109,6 +143,8 @@ def accept_trees(
     out_width: int | None = None,
     validate: bool = True,
     num_threads: int = 0,
+    sampling: RowSampling | None = None,
+    draft: SparseDraft | None = None,
 ) -> TreeAcceptance:
     """Verify a batch of draft trees (CUDA kernel when ``scores`` is a CUDA tensor).
 
@@ -121,18 +157,31 @@ def accept_trees(
     defaults to the deepest tree + 1; smaller widths cut the trees at depth ``out_width - 1``
     (still lossless). For CUDA, ``validate`` and the default width cost a device sync; CUDA
     workspaces are ``[B, V]`` float64 (rules 1-3) and float32 (rule 3).
+
+    ``sampling`` (:class:`RowSampling`): ``scores`` are then raw logits for every request, and
+    for rules 1-3 the kernel turns only the rows its walk visits into the target distribution,
+    ``softmax(apply_top_k_top_p(logits / T, k, p))`` as vLLM defines it, computed in float64
+    without sorting (``csrc/tree_accept.h`` specifies it; :func:`target_distributions`
+    computes it for whole rows). The top-p boundary can differ from vLLM's only by the float32
+    rounding of vLLM's cumulative sum. With CUDA it takes a ``[B, V]`` float64 workspace more.
+
+    ``draft`` (:class:`SparseDraft`): the MCSS rules' draft rows as sparse lists instead of
+    ``draft_probs`` (not both); the result is exactly that of the equivalent dense rows.
     """
     if is_cuda_tensor(scores):
         return _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs,
-                            out_width, validate)
+                            out_width, validate, sampling, draft)
     scores = np.ascontiguousarray(scores, dtype=np.float32)
-    draft = None if draft_probs is None else np.ascontiguousarray(draft_probs, dtype=np.float32)
+    dense = None if draft_probs is None else np.ascontiguousarray(draft_probs, dtype=np.float32)
     tokens, parents, offsets, rules = (np.ascontiguousarray(a, dtype=np.int32)
                                        for a in (tokens, parents, offsets, rules))
     seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
+    sampling = None if sampling is None else _host_sampling(sampling)
+    draft = None if draft is None else SparseDraft(np.ascontiguousarray(draft.tokens, dtype=np.int32),
+                                                   np.ascontiguousarray(draft.probs, dtype=np.float32))
     if validate:
         _check_accept(scores.shape, tokens, parents, offsets, rules, seeds,
-                      None if draft is None else draft.shape, out_width)
+                      None if dense is None else dense.shape, out_width, sampling, draft)
     width = out_width if out_width is not None else _max_depth(parents, offsets, num_threads) + 1
     batch = len(offsets) - 1
     out = TreeAcceptance(
@@ -140,9 +189,62 @@ def accept_trees(
         path_nodes=np.empty((batch, width - 1), dtype=np.int32),
         num_accepted=np.empty(batch, dtype=np.int32),
     )
-    load_extension().accept_trees(scores, draft, tokens, parents, offsets, rules, seeds,
-                                  out.out_tokens, out.path_nodes, out.num_accepted, num_threads)
+    load_extension().accept_trees(scores, dense, tokens, parents, offsets, rules, seeds,
+                                  out.out_tokens, out.path_nodes, out.num_accepted, num_threads,
+                                  **_sampling_kwargs(sampling), **_draft_kwargs(draft))
     return out
+
+
+def target_distributions(logits: Any, sampling: RowSampling, *, validate: bool = True,
+                         num_threads: int = 0) -> Any:
+    """The target distribution :func:`accept_trees` verifies a sampled row against, for every
+    row of ``logits`` ``[R, V]`` float32, with ``sampling``'s parameters given per row (``[R]``
+    each): ``[R, V]`` float64, unnormalised (divide by the row sum), zero outside the kept
+    tokens; an all ``-inf`` row is all zero. Equals vLLM's
+    ``apply_top_k_top_p(logits / T, k, p).softmax(-1)`` but for float32 rounding (at the top-p
+    boundary, of vLLM's cumulative sum). CUDA kernel for a CUDA tensor, else CPU threads."""
+    ext = load_extension()
+    if is_cuda_tensor(logits):
+        torch = cuda_torch()
+        device = logits.device
+        logits = logits.to(torch.float32).contiguous()
+        sampling = RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
+                                 for a, dtype in zip(_fields(sampling),
+                                                     (torch.float32, torch.int32, torch.float32))))
+        if validate:
+            _check_sampling(_host_sampling(RowSampling(*map(to_host, _fields(sampling)))),
+                            len(logits), None)
+        out = torch.empty(logits.shape, dtype=torch.float64, device=device)
+        ext.target_rows(logits, *_fields(sampling), out, torch.cuda.current_stream(device).cuda_stream)
+        return out
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    sampling = _host_sampling(sampling)
+    if validate:
+        if logits.ndim != 2 or logits.shape[1] < 1:
+            raise ValueError(f"logits must be [R, V >= 1], got {list(logits.shape)}")
+        _check_sampling(sampling, len(logits), None)
+    out = np.empty(logits.shape, dtype=np.float64)
+    ext.target_rows(logits, *_fields(sampling), out, num_threads)
+    return out
+
+
+def _fields(sampling: RowSampling) -> tuple:
+    return sampling.temperature, sampling.top_k, sampling.top_p
+
+
+def _host_sampling(sampling: RowSampling) -> RowSampling:
+    return RowSampling(*(np.ascontiguousarray(to_host(a), dtype=dtype)
+                         for a, dtype in zip(_fields(sampling), (np.float32, np.int32, np.float32))))
+
+
+def _sampling_kwargs(sampling: RowSampling | None) -> dict:
+    if sampling is None:
+        return {}
+    return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+
+def _draft_kwargs(draft: SparseDraft | None) -> dict:
+    return {} if draft is None else dict(draft_tokens=draft.tokens, draft_values=draft.probs)
 
 
 def _pack(parents: Any, offsets: Any, words: int | None, num_threads: int) -> TreeMasks:
@@ -169,7 +271,8 @@ def _max_depth(parents: Any, offsets: Any, num_threads: int = 0) -> int:
     return int(depth.max()) if len(depth) else 0
 
 
-def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, out_width, validate):
+def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, out_width, validate,
+                 sampling=None, sparse=None):
     ext = load_extension()
     torch = cuda_torch()
     device = scores.device
@@ -180,25 +283,47 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
     tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
                                        for a in (tokens, parents, offsets, rules))
     seeds = _cuda_seeds(seeds, device)
+    if sampling is not None:
+        sampling = RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
+                                 for a, dtype in zip(_fields(sampling),
+                                                     (torch.float32, torch.int32, torch.float32))))
+    if sparse is not None:
+        sparse = SparseDraft(torch.as_tensor(sparse.tokens, dtype=torch.int32, device=device).contiguous(),
+                             torch.as_tensor(sparse.probs, dtype=torch.float32, device=device).contiguous())
     if validate:
         _check_accept(tuple(scores.shape), to_host(tokens), to_host(parents), to_host(offsets),
                       host_rules, to_host(seeds),
-                      None if draft is None else tuple(draft.shape), out_width)
+                      None if draft is None else tuple(draft.shape), out_width,
+                      None if sampling is None else _host_sampling(RowSampling(*map(to_host, _fields(sampling)))),
+                      None if sparse is None else SparseDraft(to_host(sparse.tokens), to_host(sparse.probs)))
     width = out_width if out_width is not None else _max_depth(parents, offsets) + 1
     batch, vocab = len(offsets) - 1, scores.shape[1]
     needs_p = host_rules is None or bool((host_rules != AcceptRule.GREEDY).any())
+    mcss = host_rules is None or bool((host_rules >= AcceptRule.MCSS).any())
     needs_q = draft is not None and (host_rules is None or
                                      bool((host_rules == AcceptRule.MCSS_NO_REPLACEMENT).any()))
+    needs_row = needs_p and (sampling is not None or (sparse is not None and mcss))
+    sparse_width = 0 if sparse is None else max(1, sparse.tokens.shape[1])
     out = TreeAcceptance(
         out_tokens=torch.empty((batch, width), dtype=torch.int32, device=device),
         path_nodes=torch.empty((batch, width - 1), dtype=torch.int32, device=device),
         num_accepted=torch.empty(batch, dtype=torch.int32, device=device),
     )
-    p_work = torch.empty((batch, vocab), dtype=torch.float64, device=device) if needs_p else None
-    q_work = torch.empty((batch, vocab), dtype=torch.float32, device=device) if needs_q else None
+
+    def workspace(needed: bool, columns: int, dtype) -> Any:
+        return torch.empty((batch, columns), dtype=dtype, device=device) if needed else None
+
+    p_work = workspace(needs_p, vocab, torch.float64)
+    q_work = workspace(needs_q, vocab, torch.float32)
+    row_work = workspace(needs_row, vocab, torch.float64)
+    needs_sparse = sparse is not None and mcss
     ext.accept_trees(scores, draft, tokens, parents, offsets, rules, seeds, out.out_tokens,
                      out.path_nodes, out.num_accepted, p_work, q_work,
-                     torch.cuda.current_stream(device).cuda_stream)
+                     torch.cuda.current_stream(device).cuda_stream,
+                     **_sampling_kwargs(sampling), **_draft_kwargs(sparse),
+                     row_workspace=row_work,
+                     sparse_token_workspace=workspace(needs_sparse, sparse_width, torch.int32),
+                     sparse_value_workspace=workspace(needs_sparse, sparse_width, torch.float32))
     return out
 
 
@@ -245,7 +370,8 @@ def _check_trees(parents: np.ndarray, offsets: np.ndarray, max_nodes: int | None
 
 def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
                   offsets: np.ndarray, rules: np.ndarray, seeds: np.ndarray,
-                  draft_shape: tuple | None, out_width: int | None) -> None:
+                  draft_shape: tuple | None, out_width: int | None,
+                  sampling: RowSampling | None = None, sparse: SparseDraft | None = None) -> None:
     _check_trees(parents, offsets)
     batch = len(offsets) - 1
     if len(scores_shape) != 2 or scores_shape[0] != len(parents) + batch or scores_shape[1] < 1:
@@ -262,10 +388,60 @@ def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
     bad = np.flatnonzero((rules < 0) | (rules > max(AcceptRule)))
     if bad.size:
         raise ValueError(f"rules[{bad[0]}] = {rules[bad[0]]} is not an AcceptRule (0-3)")
-    if draft_shape is None and (rules >= AcceptRule.MCSS).any():
-        raise ValueError("draft_probs is required by the MCSS rules (2 and 3)")
+    if draft_shape is None and sparse is None and (rules >= AcceptRule.MCSS).any():
+        raise ValueError("draft_probs is required by the MCSS rules (2 and 3): pass draft_probs "
+                         "[N + B, V] or draft=SparseDraft(tokens, probs)")
+    if draft_shape is not None and sparse is not None:
+        raise ValueError("pass either draft_probs (dense rows) or draft=SparseDraft(...) (sparse "
+                         "rows), not both")
     if draft_shape is not None and tuple(draft_shape) != tuple(scores_shape):
         raise ValueError(f"draft_probs must have the shape of scores {list(scores_shape)}, got "
                          f"{list(draft_shape)}")
     if out_width is not None and out_width < 1:
         raise ValueError(f"out_width must be >= 1, got {out_width}")
+    if sampling is not None:
+        _check_sampling(sampling, batch, rules)
+    if sparse is not None:
+        _check_sparse_draft(sparse, scores_shape)
+
+
+def _check_sampling(sampling: RowSampling, rows: int, rules: np.ndarray | None) -> None:
+    """Shapes and values of ``sampling`` (host arrays); ``rules`` None: every row is sampled."""
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(sampling, name).shape != (rows,):
+            raise ValueError(f"sampling.{name} must have one entry per request ({rows}), got "
+                             f"shape {list(getattr(sampling, name).shape)}")
+    sampled = np.ones(rows, bool) if rules is None else rules != AcceptRule.GREEDY
+    bad = np.flatnonzero(sampled & ~(np.isfinite(sampling.temperature) & (sampling.temperature > 0)))
+    if bad.size:
+        raise ValueError(f"sampling.temperature[{bad[0]}] = {sampling.temperature[bad[0]]} must be a "
+                         "finite value > 0 for a sampled rule (use AcceptRule.GREEDY for "
+                         "temperature 0)")
+    bad = np.flatnonzero(sampled & ~(sampling.top_p > 0))
+    if bad.size:
+        raise ValueError(f"sampling.top_p[{bad[0]}] = {sampling.top_p[bad[0]]} must be > 0 (1 turns "
+                         "top-p off)")
+
+
+def _check_sparse_draft(sparse: SparseDraft, scores_shape: tuple) -> None:
+    tokens, probs = sparse.tokens, sparse.probs
+    rows, vocab = scores_shape
+    if tokens.ndim != 2 or tokens.shape[0] != rows or probs.shape != tokens.shape:
+        raise ValueError(f"draft.tokens and draft.probs must both be [N + B, M] = [{rows}, M], got "
+                         f"{list(tokens.shape)} and {list(probs.shape)}")
+    bad = np.argwhere((tokens < -1) | (tokens >= vocab))
+    if bad.size:
+        r, j = bad[0]
+        raise ValueError(f"draft.tokens[{r}, {j}] = {tokens[r, j]} must be a token in [0, {vocab}) "
+                         "or -1 (padding)")
+    listed = tokens >= 0
+    bad = np.argwhere(listed & ~(np.isfinite(probs) & (probs >= 0)))
+    if bad.size:
+        r, j = bad[0]
+        raise ValueError(f"draft.probs[{r}, {j}] = {probs[r, j]} must be finite and >= 0")
+    ordered = np.sort(np.where(listed, tokens, -1 - np.arange(tokens.shape[1])), axis=1)
+    bad = np.argwhere((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0))
+    if bad.size:
+        r, j = bad[0]
+        raise ValueError(f"draft.tokens[{r}] lists token {ordered[r, j]} twice: merge duplicate "
+                         "entries (add their probabilities)")

@@ -1,6 +1,7 @@
 """Plain NumPy references of the tree kernels (:mod:`vllm_retrieval_spec.kernels.tree`), which the
-tests compare against exactly: the acceptance rules, the draw order, the counter-based uniforms
-and the canonical sums of ``csrc/tree_accept.h`` and ``csrc/rng.h``, mirrored."""
+tests compare against exactly: the acceptance rules, the draw order, the counter-based uniforms,
+the canonical sums and the lazy target rows of ``csrc/tree_accept.h`` and ``csrc/rng.h``,
+mirrored (the target rows by sorting, where the kernels avoid it)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,28 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, TreeAcceptance, TreeMasks, mask_words
+from vllm_retrieval_spec.kernels.tree import (
+    AcceptRule,
+    RowSampling,
+    SparseDraft,
+    TreeAcceptance,
+    TreeMasks,
+    mask_words,
+)
 
 TILE_WIDTH = 32  # canonical sums: tiles of 32 values ...
 SEGMENTS = 32  # ... in 32 contiguous segments per row
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+# exp_neg of csrc/tree_accept.h: Cody-Waite reduction by ln 2, then 1/j! (j = 0..12) by Horner
+_INV_LN2 = float.fromhex("0x1.71547652b82fep+0")
+_LN2_HI = float.fromhex("0x1.62e42feep-1")
+_LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
+_EXP_COEFFICIENTS = [float.fromhex(h) for h in (
+    "0x1p+0", "0x1p+0", "0x1p-1", "0x1.5555555555555p-3", "0x1.5555555555555p-5",
+    "0x1.1111111111111p-7", "0x1.6c16c16c16c17p-10", "0x1.a01a01a01a01ap-13",
+    "0x1.a01a01a01a01ap-16", "0x1.71de3a556c734p-19", "0x1.27e4fb7789f5cp-22",
+    "0x1.ae64567f544e4p-26", "0x1.1eed8eff8d898p-29")]
 
 
 def uniform(seed: int, counter: int) -> float:
@@ -83,6 +100,81 @@ def canonical_sample(values: np.ndarray, u: float) -> int:
     return int(positive[-1]) if positive.size else -1
 
 
+def order_keys(logits: np.ndarray) -> np.ndarray:
+    """uint32 keys ordered as the float32 values (NaN read as -inf, -0 as +0)."""
+    values = canonical_logits(logits)
+    bits = values.view(np.uint32)
+    return np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def canonical_logits(logits: np.ndarray) -> np.ndarray:
+    values = np.asarray(logits, dtype=np.float32)
+    return np.where(np.isnan(values) | (values == 0), np.where(np.isnan(values), -np.inf, 0.0),
+                    values).astype(np.float32)
+
+
+def exp_neg(y: np.ndarray) -> np.ndarray:
+    """The kernels' exp for y <= 0 (float64; 0 below -700), bit for bit."""
+    y = np.asarray(y, dtype=np.float64)
+    inside = y >= -700.0
+    y = np.where(inside, y, 0.0)
+    n = np.rint(y * _INV_LN2)
+    r = (y - n * _LN2_HI) - n * _LN2_LO
+    p = np.full_like(r, _EXP_COEFFICIENTS[12])
+    for c in _EXP_COEFFICIENTS[11::-1]:
+        p = p * r + c
+    return np.where(inside, np.ldexp(p, n.astype(np.int64)), 0.0)
+
+
+def target_row_reference(logits: Any, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The lazy target row of ``csrc/tree_accept.h`` (float64, unnormalised), by sorting."""
+    logits = np.asarray(logits, dtype=np.float32)
+    vocab = len(logits)
+    keys = order_keys(logits)
+    x = canonical_logits(logits).astype(np.float64) / float(np.float32(temperature))
+    kept = np.ones(vocab, dtype=bool)
+    if 0 < int(top_k) < vocab:
+        kept = keys >= np.sort(keys)[vocab - int(top_k)]
+    peak = x.max()
+    with np.errstate(invalid="ignore"):
+        y = np.where(x == peak, 0.0, x - peak)
+    e = np.where(~kept | (x == -np.inf), 0.0, np.where(x == peak, 1.0, exp_neg(np.nan_to_num(y, nan=0.0))))
+    top_p = np.float32(top_p)
+    total = canonical_total(e)
+    if not top_p < 1 or not total > 0:
+        return e
+    threshold = (1.0 - float(top_p)) * total
+    positions = keys.astype(np.uint64) * np.uint64(vocab) + np.arange(vocab, dtype=np.uint64)
+    ascending = np.sort(positions)
+    lo, hi = 0, vocab - 1  # the first rank whose prefix mass exceeds the threshold (else the last)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if canonical_total(np.where(positions <= ascending[mid], e, 0.0)) > threshold:
+            hi = mid
+        else:
+            lo = mid + 1
+    return np.where(positions >= ascending[lo], e, 0.0)
+
+
+def target_distributions_reference(logits: Any, sampling: RowSampling) -> np.ndarray:
+    """:func:`target_row_reference` of every row, with the rows' parameters."""
+    logits = np.asarray(logits, dtype=np.float32)
+    rows = [target_row_reference(logits[r], float(np.float32(sampling.temperature[r])),
+                                 int(sampling.top_k[r]), float(np.float32(sampling.top_p[r])))
+            for r in range(len(logits))]
+    return np.array(rows, dtype=np.float64).reshape(logits.shape)
+
+
+def sparse_to_dense(draft: SparseDraft, vocab: int) -> np.ndarray:
+    """The ``[rows, V]`` float32 draft rows a :class:`SparseDraft` stands for."""
+    tokens = np.asarray(draft.tokens, dtype=np.int64)
+    probs = np.asarray(draft.probs, dtype=np.float32)
+    dense = np.zeros((len(tokens), vocab), dtype=np.float32)
+    rows, cols = np.nonzero((tokens >= 0) & (tokens < vocab))
+    dense[rows, tokens[rows, cols]] = probs[rows, cols]
+    return dense
+
+
 def pack_tree_masks_reference(parents: Any, offsets: Any, max_nodes: int) -> TreeMasks:
     """Plain NumPy :func:`pack_tree_masks`."""
     parents = np.asarray(parents, dtype=np.int32)
@@ -112,11 +204,22 @@ def accept_trees_reference(
     draft_probs: Any = None,
     *,
     out_width: int | None = None,
+    sampling: RowSampling | None = None,
+    draft: SparseDraft | None = None,
 ) -> TreeAcceptance:
-    """Plain NumPy (float64) :func:`accept_trees`: same rules, draws and sums."""
-    scores = np.asarray(scores, dtype=np.float32)
+    """Plain NumPy (float64) :func:`accept_trees`: same rules, draws and sums.
+
+    ``sampling``: ``scores`` are logits and the rows of rules 1-3 are their
+    :func:`target_row_reference`; ``draft``: the MCSS rules' q rows are
+    :func:`sparse_to_dense`. float64 ``scores`` are used as they are (the kernels round scores
+    to float32): the exact rows the lazy path verifies against, for comparing with it."""
+    scores = np.asarray(scores)
+    if scores.dtype != np.float64:
+        scores = scores.astype(np.float32)
     tokens, parents, offsets, rules = (np.asarray(a, dtype=np.int32)
                                        for a in (tokens, parents, offsets, rules))
+    if draft is not None:
+        draft_probs = sparse_to_dense(draft, scores.shape[1])
     batch = len(offsets) - 1
     if out_width is None:
         largest = int(np.diff(offsets).max(initial=0))
@@ -130,12 +233,27 @@ def accept_trees_reference(
         begin, end = int(offsets[b]), int(offsets[b + 1])
         tree = _RefTree(parents[begin:end].tolist(), tokens[begin:end].tolist(),
                         int(begin) + b, out_width - 1)
-        path, emitted = _walk_reference(tree, scores, draft_probs, int(rules[b]), int(seeds[b]))
+        rows = scores
+        if sampling is not None and rules[b] != AcceptRule.GREEDY:
+            parameters = (float(np.float32(sampling.temperature[b])), int(sampling.top_k[b]),
+                          float(np.float32(sampling.top_p[b])))
+            rows = _LazyRows(scores, parameters)
+        path, emitted = _walk_reference(tree, rows, draft_probs, int(rules[b]), int(seeds[b]))
         out.path_nodes[b, : len(path)] = path
         out.out_tokens[b, : len(path)] = [tree.tokens[j] for j in path]
         out.out_tokens[b, len(path)] = emitted
         out.num_accepted[b] = len(path)
     return out
+
+
+class _LazyRows:
+    """Score rows read as their target rows (``rows[r]`` as the walk reads them)."""
+
+    def __init__(self, logits: np.ndarray, parameters: tuple[float, int, float]) -> None:
+        self.logits, self.parameters = logits, parameters
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return target_row_reference(self.logits[row], *self.parameters)
 
 
 @dataclass
@@ -151,7 +269,7 @@ class _RefTree:
         return [j for j in range(node + 1, len(self.parents)) if self.parents[j] == node]
 
 
-def _walk_reference(tree: _RefTree, scores: np.ndarray, draft_probs: Any, rule: int,
+def _walk_reference(tree: _RefTree, scores: Any, draft_probs: Any, rule: int,
                     seed: int) -> tuple[list[int], int]:
     counter = iter(range(1 << 62))
 

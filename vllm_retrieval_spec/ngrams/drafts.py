@@ -9,24 +9,29 @@ import numpy as np
 
 from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_MODEL, DraftArrays
 from vllm_retrieval_spec.kernels import context_ngram
-from vllm_retrieval_spec.kernels.draft_merge import merge_drafts
+from vllm_retrieval_spec.kernels.draft_merge import merged_trees
 from vllm_retrieval_spec.ngrams.table import NgramTable
 
 
 @dataclass
 class NgramDrafts(DraftArrays):
-    """``tokens`` ``[rows, k, w]`` (-1 padded), ``lengths`` ``[rows, k]`` and ``from_context``
-    ``[rows]`` (how many leading drafts came from the context). Draft 0 is the chain: the
-    most frequent context n-gram, else the bigram's top-1 greedy continuation. The trees (the
-    k drafts merged, shared prefixes once, nodes in draft order so that a node budget that cuts
-    the list keeps the best drafts whole) are None until :meth:`build_trees`."""
+    """``tokens`` ``[rows, k, w]`` (-1 padded), ``lengths`` ``[rows, k]``, ``from_context``
+    ``[rows]`` (how many leading drafts came from the context) and ``weights`` ``[rows, k]``
+    (each draft's probability of its first token: a context n-gram's share of the counts, a
+    bigram draft's bigram probability; None: equal). Draft 0 is the chain: the most frequent
+    context n-gram, else the bigram's top-1 greedy continuation. The trees (the k drafts
+    merged, shared prefixes once, nodes in draft order so that a node budget that cuts the list
+    keeps the best drafts whole; ``tree_prob``: a node's weight over its parent's, the
+    drafter's q) are None until :meth:`build_trees`."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     from_context: np.ndarray
+    weights: np.ndarray | None = None
     tree_tokens: np.ndarray | None = None
     tree_parents: np.ndarray | None = None
     tree_size: np.ndarray | None = None
+    tree_prob: np.ndarray | None = None
 
     @property
     def chain_tokens(self) -> np.ndarray:
@@ -39,8 +44,8 @@ class NgramDrafts(DraftArrays):
 
     def build_trees(self, num_threads: int = 0) -> NgramDrafts:
         """Fill the tree arrays, every row's drafts merged in one kernel call; returns self."""
-        self.tree_tokens, self.tree_parents, self.tree_size = merge_drafts(
-            self.tokens, self.lengths, num_threads=num_threads
+        self.tree_tokens, self.tree_parents, self.tree_size, self.tree_prob = merged_trees(
+            self.tokens, self.lengths, self.weights, num_threads=num_threads
         )
         return self
 
@@ -63,12 +68,16 @@ def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarra
     k, w = min(k, table.k), min(w, table.w)
     tokens = np.full((len(rows), k, w), -1, dtype=np.int32)
     lengths = np.zeros((len(rows), k), dtype=np.int32)
+    weights = np.zeros((len(rows), k), dtype=np.float32)
     from_context = np.zeros(len(rows), dtype=np.int32)
     if mixing != "bigram-only":
         found = context_ngram(token_ids, num_tokens, rows, k=k, w=w, q_min=q, q_max=q,
                               num_threads=num_threads)
         tokens[:], lengths[:] = found.tokens, found.lengths
         from_context = (found.lengths > 0).sum(axis=1).astype(np.int32)
+        counts = found.counts.astype(np.float32)
+        total = counts.sum(axis=1, keepdims=True)
+        weights = np.divide(counts, total, out=weights, where=total > 0)
     if mixing != "context-only":
         last = token_ids[rows, num_tokens[rows] - 1]
         bigram = table.extended[last][:, :k, :w]  # [rows, k, w]
@@ -78,5 +87,7 @@ def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarra
         filled = np.take_along_axis(bigram, source[:, :, None], axis=1)
         tokens = np.where(fill[:, :, None], filled, tokens).astype(np.int32, copy=False)
         lengths = np.where(fill, w, lengths).astype(np.int32)
-    drafts = NgramDrafts(tokens, lengths, from_context)
+        probs = np.take_along_axis(np.asarray(table.bigram_probs[last][:, :k]), source, axis=1)
+        weights = np.where(fill, probs, weights).astype(np.float32)
+    drafts = NgramDrafts(tokens, lengths, from_context, weights)
     return drafts.build_trees(num_threads) if with_trees else drafts

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from vllm.logger import init_logger
 
+from vllm_retrieval_spec.candidates import DraftQ, sample_candidate_trees
 from vllm_retrieval_spec.compat import require_supported_vllm
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.drafts import Drafts, DraftTree, count_sources
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+CANDIDATE_SEED = 0x5EED  # drafting's own random stream: the same on every tensor-parallel rank
+
 
 class DraftSession(Protocol):
     """What a proposer needs of the runner's session (``verification.session.SpecSession``)."""
@@ -44,9 +47,11 @@ class DraftSession(Protocol):
     budget: GoodputBudget | None  # the goodput budget (``budget: auto``), else None
     output_index: OutputIndex | None  # the cross-request output index, when uses_output_index()
     step_hidden_states: torch.Tensor | None  # [rows, hidden] this step, when needs_hidden_states()
+    step_samples: np.ndarray | None  # [rows] bool this step: the row's request samples (temperature > 0)
 
-    def publish(self, trees: Mapping[int, DraftTree]) -> None:
-        """This step's trees by input-batch row."""
+    def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
+        """This step's trees by input-batch row, and the draft distributions of the rows whose
+        candidates were drawn from them."""
 
 
 @dataclass
@@ -76,14 +81,16 @@ class DraftBatch:
 @dataclass
 class ChosenDrafts:
     """What one step sends to vLLM: per drafted row its tokens (``[rows, N]``, the first
-    ``sizes[i]`` are sent) and, in tree mode, their parents; ``sources``: the ``SOURCE_*``
-    flags of every token sent."""
+    ``sizes[i]`` are sent) and their parents; ``sources``: the ``SOURCE_*`` flags of every
+    token sent; ``draft_q``: by position in ``rows``, the distribution the candidates of a
+    row drawn with ``candidates: "sampled"`` came from."""
 
     rows: np.ndarray
     tokens: np.ndarray
-    parents: np.ndarray | None
+    parents: np.ndarray
     sizes: np.ndarray
     sources: np.ndarray
+    draft_q: dict[int, DraftQ] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +117,7 @@ class DraftProposer(abc.ABC):
         self.options = RetrievalSpecOptions.from_additional_config(vllm_config.additional_config)
         self.stats = ProposerStats()
         self.session: DraftSession | None = None
+        self._rng = np.random.default_rng(CANDIDATE_SEED)
 
     def bind_session(self, session: DraftSession) -> None:
         """The runner's session (request ids, per-request state, tree verification)."""
@@ -123,6 +131,13 @@ class DraftProposer(abc.ABC):
         """Whether the runner's session should keep the target's last hidden state of every
         row for us (``session.step_hidden_states``)."""
         return False
+
+    def candidate_tree_size(self) -> int:
+        """Nodes of the candidate trees the drafter builds: ``top_k`` to draw sampled candidates
+        from, at most the node budget for deterministic trees, 0 for chains only."""
+        if self.options.candidates == "sampled":
+            return self.options.top_k
+        return min(self.options.top_k, self.num_speculative_tokens) if self.options.tree else 0
 
     def load_model(self, target_model: torch.nn.Module) -> None:  # noqa: B027 (an optional hook)
         """Called once with the loaded target model; retrieval proposers need nothing from it."""
@@ -154,15 +169,17 @@ class DraftProposer(abc.ABC):
             drafts[row] = row_tokens[:size]
         self.stats.drafted_rows += int(np.count_nonzero(chosen.sizes))
         self.stats.draft_tokens += int(chosen.sizes.sum())
-        count_sources(self.stats.draft_tokens_by_source, chosen.sources)
-        if chosen.parents is not None:
-            self._publish_trees(drafts, rows, chosen.parents.tolist(), sizes)
+        count_sources(self.stats.draft_tokens_by_source,
+                      chosen.sources[np.arange(chosen.sources.shape[1])[None, :] < chosen.sizes[:, None]])
+        if self.options.tree or chosen.draft_q:
+            self._publish_trees(drafts, chosen)
         return drafts
 
     def _chosen_drafts(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        token_ids: np.ndarray) -> ChosenDrafts | None:
         """Draft for the rows that need (and, with a goodput budget, deserve) drafts, then keep
-        what the budget chooses (or cut each row to its token budget)."""
+        what the budget chooses (or cut each row to its token budget); with sampled
+        candidates, the rows that sample then draw that many nodes from the drafter's ``q``."""
         start = time.perf_counter()
         batch = self._rows_needing_drafts(sampled_token_ids, num_tokens, token_ids)
         budget = self.session.budget if self.session is not None else None
@@ -170,30 +187,65 @@ class DraftProposer(abc.ABC):
             req_ids = self.session.step_req_ids
             budget.observe(req_ids, sampled_token_ids)
             batch = batch.subset(budget.worth_searching([req_ids[row] for row in batch.rows.tolist()],
-                                                        len(sampled_token_ids)))
+                                                        len(sampled_token_ids), self._row_samples(batch.rows)))
         self.stats.steps += 1
         self.stats.rows += len(batch)
         if len(batch) == 0:
             return None
         found = self.draft(batch)
-        trees = batch.trees and found.tree_tokens is not None  # some drafters only draft chains
+        trees = self.options.tree and found.tree_tokens is not None  # some drafters only draft chains
         nodes = found.nodes(trees)
         if budget is None:
-            sizes = np.minimum(nodes.size, batch.budgets)
-            sent = nodes.source[np.arange(nodes.width)[None, :] < sizes[:, None]]
-            return ChosenDrafts(batch.rows, nodes.tokens, nodes.parents if trees else None, sizes, sent)
-        keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
-                             len(sampled_token_ids), time.perf_counter() - start, trees=trees)
-        tokens, parents, sizes = nodes.kept(keep)
-        return ChosenDrafts(batch.rows, tokens, parents if trees else None, sizes, nodes.source[keep])
+            chosen = ChosenDrafts(batch.rows, nodes.tokens, nodes.parents, np.minimum(nodes.size, batch.budgets),
+                                  nodes.source)
+        else:
+            keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
+                                 len(sampled_token_ids), time.perf_counter() - start, trees=trees,
+                                 samples=self._row_samples(batch.rows))
+            chosen = ChosenDrafts(batch.rows, *nodes.kept(keep))
+        return self._draw_candidates(chosen, found) if self._samples_candidates() else chosen
 
-    def _publish_trees(self, drafts: list[list[int]], rows: list[int], parents: list[list[int]],
-                       sizes: list[int]) -> None:
-        """Hand this step's trees (tokens already cut to each row's size) to the session."""
-        self.session.publish({
-            row: DraftTree(tuple(drafts[row]), tuple(row_parents[:size]))
-            for row, row_parents, size in zip(rows, parents, sizes) if size
-        })
+    def _row_samples(self, rows: np.ndarray) -> np.ndarray | None:
+        """Which of ``rows`` belong to requests that sample (None when not known)."""
+        samples = getattr(self.session, "step_samples", None)
+        return None if samples is None else samples[rows]
+
+    def _samples_candidates(self) -> bool:
+        return (self.options.candidates == "sampled" and self.session is not None
+                and self.session.step_samples is not None)
+
+    def _draw_candidates(self, chosen: ChosenDrafts, found: Drafts) -> ChosenDrafts:
+        """Replace the nodes of the rows whose request samples by as many nodes drawn from the
+        drafter's candidate tree (its ``q``), and keep each row's ``q`` for verification."""
+        draw = np.flatnonzero(self.session.step_samples[chosen.rows] & (chosen.sizes > 0))
+        if not len(draw):
+            return chosen
+        options = self.options
+        candidates = found.nodes(found.tree_tokens is not None).subset(draw)
+        drawn = sample_candidate_trees(
+            candidates, chosen.sizes[draw], self._rng, per_node=options.candidates_per_node if options.tree else 1,
+            replacement=options.candidate_replacement, draft_temperature=options.draft_temperature,
+        )
+        width = max(chosen.tokens.shape[1], drawn.tokens.shape[1])
+        tokens, parents, sources = (_widened(a, width) for a in (chosen.tokens, chosen.parents, chosen.sources))
+        used = drawn.tokens.shape[1]
+        tokens[draw, :used], parents[draw, :used] = drawn.tokens, drawn.parents
+        sources[draw, :used] = np.take_along_axis(candidates.source, np.maximum(drawn.source, 0), axis=1)
+        sizes = chosen.sizes.copy()
+        sizes[draw] = drawn.size
+        draft_q = {int(i): drawn.row_q(j) for j, i in enumerate(draw.tolist())}
+        return ChosenDrafts(chosen.rows, tokens, parents, sizes, sources, draft_q)
+
+    def _publish_trees(self, drafts: list[list[int]], chosen: ChosenDrafts) -> None:
+        """Hand this step's trees (tokens already cut to each row's size; in chain mode only
+        the rows drawn from ``q``) and their draft distributions to the session."""
+        publish = range(len(chosen.rows)) if self.options.tree else sorted(chosen.draft_q)
+        rows, sizes = chosen.rows.tolist(), chosen.sizes.tolist()
+        parents = chosen.parents.tolist()
+        self.session.publish(
+            {rows[i]: DraftTree(tuple(drafts[rows[i]]), tuple(parents[i][: sizes[i]])) for i in publish if sizes[i]},
+            {rows[i]: q for i, q in chosen.draft_q.items()},
+        )
 
     def _rows_needing_drafts(
         self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray
@@ -206,7 +258,7 @@ class DraftProposer(abc.ABC):
         rows = np.flatnonzero((sampled > 0) & (budgets > 0)).astype(np.int32)
         return DraftBatch(token_ids=token_ids, num_tokens=num_tokens, rows=rows,
                           budgets=budgets[rows].astype(np.int32),
-                          trees=self.options.tree and self.session is not None)
+                          trees=self.candidate_tree_size() > 0 and self.session is not None)
 
     def _record_failure(self, error: Exception) -> None:
         self.stats.failures += 1
@@ -218,3 +270,10 @@ class DraftProposer(abc.ABC):
                 type(self).__name__,
             )
 
+
+
+def _widened(array: np.ndarray, width: int) -> np.ndarray:
+    """A writable copy of ``[rows, N]`` padded with -1 to ``width`` columns."""
+    out = np.full((array.shape[0], width), -1, dtype=array.dtype)
+    out[:, : array.shape[1]] = array
+    return out

@@ -44,9 +44,8 @@ class DReSDProposer(DraftProposer):
         super().__init__(vllm_config)
         options = self.options
         self.store = open_dense_datastore_for_model(options.dense_datastore, vllm_config.model_config.model)
-        budget = self.num_speculative_tokens
-        top_k = min(options.top_k, budget) if options.tree else 0
-        self.params = RestParams.from_options(options, chain_len=budget, top_k=top_k, use_datastore=False,
+        self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens,
+                                              top_k=self.candidate_tree_size(), use_datastore=False,
                                               cont_len=max(1, self.store.value_tokens - 1))
         self.last_drafts: DenseDrafts | None = None
         self.place_index(vllm_config)

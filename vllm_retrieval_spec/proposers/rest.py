@@ -28,10 +28,8 @@ class RestProposer(DraftProposer):
                 options.datastore, vllm_config.model_config.tokenizer
             )
             self.datastore.prefetch()
-        budget = self.num_speculative_tokens
-        self.params = RestParams.from_options(options, chain_len=budget)
-        if options.tree:
-            self.params = RestParams.from_options(options, chain_len=budget, top_k=min(options.top_k, budget))
+        self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens,
+                                              top_k=self.candidate_tree_size())
         self.last_drafts: RestDrafts | None = None
 
     def uses_output_index(self) -> bool:

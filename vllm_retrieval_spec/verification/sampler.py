@@ -1,11 +1,14 @@
-"""The tree sampler that replaces vLLM's ``runner.rejection_sampler`` in tree mode.
+"""The sampler that replaces vLLM's ``runner.rejection_sampler`` for our proposers.
 
 It keeps the rejection sampler's contract (``[batch, max_spec_len + 1]`` int32: accepted
-tokens, then the emitted token, ``-1`` padding) so the rest of vLLM is untouched, walks each
-request's tree with the acceptance kernel (greedy rule for greedy requests, the lossless
-deterministic-candidate rule otherwise, MCSS when draft probabilities come with the trees)
-and moves the accepted path's K/V into the first draft slots, because the scheduler keeps
-the KV of a prefix of the draft slots.
+tokens, then the emitted token, ``-1`` padding) so the rest of vLLM is untouched. Steps the
+session planned (a tree branches, or a request that samples has drafts) are walked with the
+acceptance kernel: the greedy rule for greedy requests, the lossless deterministic-candidate
+rule for drafted candidates, MCSS with the drafter's ``q`` for candidates drawn from it; the
+accepted path's K/V then move into the first draft slots, because the scheduler keeps the KV
+of a prefix of the draft slots. Other steps, and chain steps whose requests use sampling
+features applied to drafts as a sequence (penalties, bad words, ...), go to vLLM's own rejection
+sampler, with the drawn candidates' ``q`` as its draft probabilities.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, accept_trees, to_host
+from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, SparseDraft, accept_trees, to_host
 from vllm_retrieval_spec.verification.session import SpecSession
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
@@ -29,72 +32,120 @@ class TreeRejectionSampler(RejectionSampler):
     """vLLM's rejection sampler, verifying this step's draft trees instead of chains."""
 
     def __init__(self, sampler: object, session: SpecSession,
-                 kv_caches: Callable[[], Sequence[torch.Tensor]]) -> None:
+                 kv_caches: Callable[[], Sequence[torch.Tensor]], replacement: bool = False) -> None:
         super().__init__(sampler)
         self._session = session
         self._kv_caches = kv_caches
+        self._drawn_rule = AcceptRule.MCSS if replacement else AcceptRule.MCSS_NO_REPLACEMENT
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         plan = self._session.plan
         if plan is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
-        scores = self._scores(logits, metadata, sampling_metadata)
-        out_tokens, path_nodes, num_accepted = self._accept(plan, scores, metadata, sampling_metadata)
+        if processes_drafts_as_a_sequence(sampling_metadata) and not plan.is_branching():
+            self._session.plan = None
+            probs = None if plan.draft_q is None else torch.from_numpy(chain_draft_probs(plan, logits.shape[1]))
+            return super().forward(metadata, None if probs is None else probs.to(logits.device), logits,
+                                   sampling_metadata)
+        logits = logits.to(torch.float32)
+        out_tokens, path_nodes, num_accepted = self._accept(plan, logits, metadata, sampling_metadata)
         self._session.finish_step(self._kv_caches(), path_nodes, num_accepted)
         output = torch.as_tensor(out_tokens).to(logits.device)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._path_logprobs(plan, logits, scores, metadata, sampling_metadata, path_nodes, output)
+            logprobs = self._path_logprobs(plan, logits, metadata, sampling_metadata, path_nodes, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    @staticmethod
-    def _scores(logits: torch.Tensor, metadata, sampling_metadata) -> torch.Tensor:
-        """Per row: raw logits for greedy requests, target probabilities for the others."""
-        logits = logits.to(torch.float32)
-        if sampling_metadata.all_greedy:
-            return logits
-        temperature = sampling_metadata.temperature
-        greedy = temperature == GREEDY_TEMPERATURE
-        scaled = logits / expand_rows(torch.where(greedy, 1.0, temperature), metadata).unsqueeze(-1)
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        processed = apply_top_k_top_p(
-            scaled,
-            None if top_k is None else expand_rows(top_k, metadata),
-            None if top_p is None else expand_rows(top_p, metadata),
-        )
-        probs = processed.softmax(dim=-1)
-        return torch.where(expand_rows(greedy, metadata).unsqueeze(-1), logits, probs)
-
-    def _accept(self, plan: TreeStepPlan, scores: torch.Tensor, metadata, sampling_metadata):
+    def _accept(self, plan: TreeStepPlan, logits: torch.Tensor, metadata, sampling_metadata):
+        """Walk every tree from the raw logits: the kernel computes the target distribution
+        (temperature, top-k, top-p) only at the nodes its walk visits."""
         num_requests = len(plan.offsets) - 1
         greedy = request_is_greedy(sampling_metadata, num_requests)
-        rules = np.where(greedy, AcceptRule.GREEDY, AcceptRule.CANDIDATES).astype(np.int32)
-        seeds = request_seeds(sampling_metadata, num_requests, scores.device)
+        drawn = (np.zeros(num_requests, bool) if plan.draft_q is None else plan.draft_q.drawn) & ~greedy
+        rules = np.select([greedy, drawn], [AcceptRule.GREEDY, self._drawn_rule], AcceptRule.CANDIDATES)
+        self._session.stats.mcss_requests += int(drawn.sum())
+        on_gpu = logits.is_cuda
+        seeds = request_seeds(sampling_metadata, num_requests, logits.device)
+        draft = None
+        if drawn.any():
+            draft = SparseDraft(*(torch.from_numpy(a).to(logits.device) if on_gpu else a
+                                  for a in (plan.draft_q.tokens, plan.draft_q.probs)))
         result = accept_trees(  # the CUDA kernel when the logits live on a GPU
-            scores if scores.is_cuda else scores.numpy(), plan.tokens, plan.parents, plan.offsets, rules,
-            seeds if scores.is_cuda else seeds.numpy().view(np.uint64), out_width=metadata.max_spec_len + 1,
+            logits if on_gpu else logits.numpy(), plan.tokens, plan.parents, plan.offsets,
+            rules.astype(np.int32), seeds if on_gpu else seeds.numpy().view(np.uint64),
+            out_width=metadata.max_spec_len + 1, draft=draft,
+            sampling=None if greedy.all() else row_sampling(sampling_metadata, num_requests, on_gpu),
         )
         return result.out_tokens, to_host(result.path_nodes), to_host(result.num_accepted)
 
-    def _path_logprobs(self, plan, logits, scores, metadata, sampling_metadata, path_nodes, output):
+    def _path_logprobs(self, plan, logits, metadata, sampling_metadata, path_nodes, output):
         """Logprobs of the emitted tokens, read at the rows of the accepted path."""
         starts = np.concatenate([[0], metadata.cu_num_sampled_tokens.cpu().numpy()[:-1]])
         width = output.shape[1]
         rows = np.zeros((len(plan.offsets) - 1, width), dtype=np.int64)
         rows[:, 1:] = np.where(path_nodes[:, : width - 1] >= 0, path_nodes[:, : width - 1] + 1, 0)
         rows += starts[:, None]
-        source = scores if self.is_processed_logprobs_mode else logits.to(torch.float32)
-        selected = source[torch.from_numpy(rows.reshape(-1))]
+        selected = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)]
+        if self.is_processed_logprobs_mode:
+            selected = processed_logits(selected, sampling_metadata, width)
         logprobs = selected if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(selected)
         tokens = output.flatten().clamp(min=0).to(torch.int64)
         return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
 
 
-def expand_rows(per_request: torch.Tensor, metadata) -> torch.Tensor:
-    """A per-request value repeated over each request's ``n + 1`` logits rows."""
-    counts = metadata.num_draft_tokens
-    repeats = torch.as_tensor([n + 1 for n in counts], device=per_request.device)
-    return per_request.repeat_interleave(repeats)
+def row_sampling(sampling_metadata, num_requests: int, on_gpu: bool) -> RowSampling:
+    """Each request's temperature, top-k (0: off) and top-p (1: off) for the kernel."""
+    temperature = sampling_metadata.temperature[:num_requests].to(torch.float32)
+    top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+    top_k = torch.zeros(num_requests, dtype=torch.int32) if top_k is None else top_k[:num_requests].to(torch.int32)
+    top_p = torch.ones(num_requests, dtype=torch.float32) if top_p is None else top_p[:num_requests].to(torch.float32)
+    values = (temperature, top_k.to(temperature.device), top_p.to(temperature.device))
+    return RowSampling(*(values if on_gpu else (v.cpu().numpy() for v in values)))
+
+
+def processed_logits(rows: torch.Tensor, sampling_metadata, width: int) -> torch.Tensor:
+    """``rows`` (``width`` per request) after each request's temperature, top-k and top-p,
+    as vLLM's processed logprobs modes report them (greedy requests: unchanged)."""
+    def per_row(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values[: len(rows) // width].repeat_interleave(width)
+
+    if sampling_metadata.all_greedy:
+        return rows
+    temperature = per_row(sampling_metadata.temperature)
+    greedy = temperature == GREEDY_TEMPERATURE
+    scaled = rows / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    processed = apply_top_k_top_p(scaled, per_row(sampling_metadata.top_k), per_row(sampling_metadata.top_p))
+    return torch.where(greedy.unsqueeze(-1), rows, processed)
+
+
+def processes_drafts_as_a_sequence(sampling_metadata) -> bool:
+    """Whether a request of the batch uses sampling features vLLM's rejection sampler applies
+    to drafts as a sequence (penalties, bad words, allowed token ids, min_tokens, a thinking
+    budget); tree mode refuses them at admission."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return bool(
+        not sampling_metadata.no_penalties
+        or sampling_metadata.bad_words_token_ids
+        or sampling_metadata.allowed_token_ids_mask is not None
+        or any(isinstance(p, MinTokensLogitsProcessor) and p.min_toks
+               for p in sampling_metadata.logitsprocs.non_argmax_invariant)
+        or (holder is not None and holder.has_tracked_requests())
+    )
+
+
+def chain_draft_probs(plan: TreeStepPlan, vocab: int) -> np.ndarray:
+    """vLLM's ``draft_probs`` (``[drafted tokens, vocab]``) for a step of chains: each drawn
+    token's ``q``, one-hot rows for deterministic candidates (which makes vLLM's rule the
+    deterministic-candidate rule)."""
+    sizes = plan.sizes
+    request = np.repeat(np.arange(len(sizes)), sizes)
+    probs = plan.draft_q.dense(vocab)[np.arange(len(plan.tokens)) + request]
+    deterministic = ~plan.draft_q.drawn[request]
+    probs[deterministic] = 0.0
+    probs[np.flatnonzero(deterministic), plan.tokens[deterministic]] = 1.0
+    return probs
 
 
 def request_is_greedy(sampling_metadata, num_requests: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from vllm_retrieval_spec.candidates import DraftQ
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.kernels.attention import KVLayout
@@ -52,6 +53,7 @@ class TreeVerificationStats:
     tree_requests: int = 0  # request-steps verified as trees
     branching_requests: int = 0  # of which the tree branched (the tree-attention fix-up ran)
     compacted_slots: int = 0  # K/V slots moved after acceptance
+    mcss_requests: int = 0  # request-steps whose candidates were drawn from the drafter's q (verified by MCSS)
 
 
 class StepMetrics(Protocol):
@@ -65,7 +67,8 @@ class StepMetrics(Protocol):
 class RequestState:
     """What the session keeps for one running request."""
 
-    tree: DraftTree | None = None  # the tree drafted at the last step (tree mode)
+    tree: DraftTree | None = None  # the tree (or drawn chain) drafted at the last step
+    draft_q: DraftQ | None = None  # the distributions its candidates were drawn from (sampled candidates)
     tree_step: int = -1  # the step it was drafted at
 
 
@@ -81,12 +84,14 @@ class SpecSession:
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
     step_req_ids: list[str] = field(default_factory=list)
+    step_samples: np.ndarray | None = None  # [rows] bool: the row's request samples (temperature > 0)
     step: int = 0
     plan: TreeStepPlan | None = None
     layout_checked: bool = False
     _step_started: float | None = field(default=None, init=False, repr=False)
     _draft_seconds: float = field(default=0.0, init=False, repr=False)
     _branching_seen: int = field(default=0, init=False, repr=False)
+    _sampled_tokens: int = field(default=0, init=False, repr=False)  # draft tokens of sampling requests this step
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
     _tree_nodes: ops.TreeNodes | None = field(default=None, init=False, repr=False)
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
@@ -95,18 +100,21 @@ class SpecSession:
 
     # ------------------------------------------------------------------ drafting side
 
-    def begin_step(self, req_ids: Sequence[str], num_scheduled_tokens: int = 0) -> None:
-        """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows and
-        the target step just run scheduled ``num_scheduled_tokens`` tokens."""
+    def begin_step(self, req_ids: Sequence[str], num_scheduled_tokens: int = 0,
+                   samples: np.ndarray | None = None) -> None:
+        """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows, the
+        target step just run scheduled ``num_scheduled_tokens`` tokens and ``samples`` tells
+        which rows' requests sample (temperature > 0)."""
         now = time.perf_counter()
         branching = self.stats.branching_requests - self._branching_seen
         self._branching_seen = self.stats.branching_requests
         if self.budget is not None and self._step_started is not None:
             self.budget.cost.observe(now - self._step_started - self._draft_seconds, len(req_ids),
-                                     num_scheduled_tokens, branching)
+                                     num_scheduled_tokens, branching, self._sampled_tokens)
         self._step_started = now
         self.step += 1
         self.step_req_ids = list(req_ids)
+        self.step_samples = samples
 
     def end_step(self) -> None:
         """``propose`` returned: its time is drafting, not the target's."""
@@ -138,11 +146,13 @@ class SpecSession:
         index = torch.from_numpy(starts + offsets).to(sample_hidden_states.device)
         self.step_hidden_states = sample_hidden_states[index]
 
-    def publish(self, trees: Mapping[int, DraftTree]) -> None:
-        """This step's trees by input-batch row (tree mode); older ones are never verified."""
+    def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
+        """This step's trees by input-batch row (tree mode, or rows whose candidates were drawn
+        from ``draft_q``); older ones are never verified."""
+        draft_q = draft_q or {}
         for row, tree in trees.items():
             state = self.requests.setdefault(self.step_req_ids[row], RequestState())
-            state.tree, state.tree_step = tree, self.step
+            state.tree, state.draft_q, state.tree_step = tree, draft_q.get(row), self.step
 
     def release(self, req_ids: Iterable[str], tokens: Iterable[np.ndarray] = ()) -> None:
         """Forget finished or aborted requests; their ``tokens`` (prompt and output, one array
@@ -156,29 +166,46 @@ class SpecSession:
         if self.budget is not None:
             self.budget.release(req_ids)
 
-    def tree_for(self, req_id: str, scheduled_tokens: Sequence[int]) -> DraftTree:
-        """The tree behind the tokens the scheduler sent back (it may keep only a prefix);
-        a chain when the tokens are not this step's tree (then a chain is what they are)."""
+    def tree_for(self, req_id: str, scheduled_tokens: Sequence[int]) -> tuple[DraftTree, DraftQ | None]:
+        """The tree behind the tokens the scheduler sent back (it may keep only a prefix) and,
+        for drawn candidates, their distributions; a chain of deterministic candidates when the
+        tokens are not this step's tree (then a chain is what they are)."""
         state = self.requests.get(req_id)
         if state is None or state.tree is None or state.tree_step != self.step or not state.tree.matches(
                 scheduled_tokens):
-            return DraftTree.chain(scheduled_tokens)
-        return state.tree.truncated(len(scheduled_tokens))
+            return DraftTree.chain(scheduled_tokens), None
+        n = len(scheduled_tokens)
+        return state.tree.truncated(n), None if state.draft_q is None else state.draft_q.truncated(n)
 
     # ------------------------------------------------------------- verification side
 
     def plan_step(self, runner: GPUModelRunner, spec_tokens: Mapping[str, Sequence[int]]) -> None:
-        """Build this step's plan (none when no tree branches) and move the draft nodes'
-        rotary positions to ``base + depth``. Runs after vLLM's ``_prepare_inputs``."""
+        """Build this step's plan when our sampler verifies it (a tree branches, or a request
+        that samples has drafts) and move branching trees' rotary positions to ``base +
+        depth``. Runs after vLLM's ``_prepare_inputs``."""
         self.plan = self._tree_nodes = self._kv_layout = None
+        self._sampled_tokens = 0
         if not spec_tokens:
             return
-        num_reqs = runner.input_batch.num_reqs
-        req_ids = runner.input_batch.req_ids[:num_reqs]
-        trees = [self.tree_for(req_id, spec_tokens.get(req_id, ())) for req_id in req_ids]
-        plan = TreeStepPlan.build(trees, runner.query_start_loc.np[:num_reqs])
-        if not plan.is_branching():
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        samples = batch.temperature_cpu[:num_reqs] > 0
+        if not (self.tree_mode or samples.any()):
+            return  # chains of greedy requests: vLLM's sampler verifies them exactly
+        req_ids = batch.req_ids[:num_reqs]
+        drafted = [self.tree_for(req_id, spec_tokens.get(req_id, ())) for req_id in req_ids]
+        plan = TreeStepPlan.build([tree for tree, _ in drafted], runner.query_start_loc.np[:num_reqs],
+                                  [q for _, q in drafted])
+        self._sampled_tokens = int(plan.sizes[samples].sum())
+        if plan.is_branching():
+            self._plan_tree_attention(runner, plan)
+        elif not (plan.sizes > 0)[samples].any():
             return
+        self.plan = plan
+
+    def _plan_tree_attention(self, runner: GPUModelRunner, plan: TreeStepPlan) -> None:
+        """Depth positions, KV slots and context lengths of a step whose trees branch."""
+        num_reqs = runner.input_batch.num_reqs
         device = runner.positions.device
         node_rows = torch.from_numpy(plan.node_rows()).to(device)
         roots = torch.from_numpy(np.repeat(plan.query_starts, plan.sizes)).to(device)
@@ -189,13 +216,12 @@ class SpecSession:
         self.stats.tree_steps += 1
         self.stats.tree_requests += int((plan.sizes > 0).sum())
         self.stats.branching_requests += int(plan.branching.sum())
-        self.plan = plan
 
     def attend(self, impl: object, layer: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, metadata: object, output: torch.Tensor, layout: KVLayout) -> None:
         """Recompute the draft rows of this step's branching trees with the tree mask."""
         plan = self.plan
-        if plan is None or metadata is None:
+        if plan is None or metadata is None or not plan.is_branching():
             return
         if not self.layout_checked:
             self._check_layout(impl, layer, key, value, kv_cache, metadata, layout)
@@ -210,13 +236,15 @@ class SpecSession:
         plan, self.plan = self.plan, None
         if plan is None:
             return
+        self._accepted_paths = (self.step, path_nodes, num_accepted)
+        if not plan.is_branching():
+            return
         if self._kv_layout is None:
             raise TreeModeError(
                 "this step verified draft trees but no attention layer applied the tree mask: the "
                 "attention backend is not one tree verification supports (CPU_ATTN on the CPU build, "
                 "FLASH_ATTN or TRITON_ATTN on GPUs; pick one with --attention-backend) or use chain mode"
             )
-        self._accepted_paths = (self.step, path_nodes, num_accepted)
         sources, destinations = plan.accepted_moves(path_nodes, num_accepted)
         self.stats.compacted_slots += len(sources)
         if len(sources):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_retrieval_spec.candidates import DraftQ
 from vllm_retrieval_spec.drafts import DraftTree
 from vllm_retrieval_spec.kernels.tree import pack_tree_masks
 
@@ -30,10 +31,14 @@ class TreeStepPlan:
     depth: np.ndarray  # [N] int32, 1 = child of the root
     ancestors: np.ndarray  # [N, words] uint64, bit j: node j of the same tree is an ancestor or itself
     branching: np.ndarray  # [B] bool, the rows whose tree is not a chain
+    draft_q: DraftQRows | None = None  # the draft distributions of rows with drawn candidates
     draft_slots: torch.Tensor | None = None  # [N] KV slot of every node, on the cache's device
 
     @classmethod
-    def build(cls, trees: Sequence[DraftTree], query_starts: np.ndarray) -> TreeStepPlan:
+    def build(cls, trees: Sequence[DraftTree], query_starts: np.ndarray,
+              draft_q: Sequence[DraftQ | None] = ()) -> TreeStepPlan:
+        """``draft_q[i]``: the distributions row ``i``'s candidates were drawn from (None:
+        deterministic candidates)."""
         parents, offsets = flatten_parents(trees)
         tokens = np.fromiter((t for tree in trees for t in tree.tokens), dtype=np.int32, count=len(parents))
         sizes = np.diff(offsets)
@@ -42,8 +47,9 @@ class TreeStepPlan:
         off_chain = np.zeros(len(parents) + 1, dtype=np.int64)
         np.cumsum(parents != chain_parent, out=off_chain[1:])
         branching = off_chain[offsets[1:]] > off_chain[offsets[:-1]]
+        rows_q = DraftQRows.build(draft_q, offsets) if any(q is not None for q in draft_q) else None
         return cls(tokens, parents, offsets, np.asarray(query_starts, dtype=np.int64), packed.depth,
-                   packed.ancestor_mask, branching)
+                   packed.ancestor_mask, branching, rows_q)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -68,6 +74,40 @@ class TreeStepPlan:
         request, index = np.nonzero(moved)
         base = self.offsets[request].astype(np.int64)
         return base + path_nodes[request, index], base + index
+
+
+@dataclass
+class DraftQRows:
+    """The draft distributions of one step in the acceptance kernels' row layout: request
+    ``b``'s rows are ``offsets[b] + b`` (its root) to ``offsets[b + 1] + b`` (its last node);
+    ``tokens`` / ``probs`` ``[N + B, M]`` sparse (-1 / 0 padded); ``drawn`` ``[B]``: the
+    requests whose candidates were drawn from them (the others have empty rows)."""
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    drawn: np.ndarray
+
+    @classmethod
+    def build(cls, draft_q: Sequence[DraftQ | None], offsets: np.ndarray) -> DraftQRows:
+        width = max(q.tokens.shape[1] for q in draft_q if q is not None)
+        rows = int(offsets[-1]) + len(offsets) - 1
+        tokens = np.full((rows, width), -1, np.int32)
+        probs = np.zeros((rows, width), np.float32)
+        drawn = np.zeros(len(offsets) - 1, bool)
+        for b, q in enumerate(draft_q):
+            if q is not None:
+                first, n = int(offsets[b]) + b, len(q.tokens)
+                tokens[first:first + n, : q.tokens.shape[1]] = q.tokens
+                probs[first:first + n, : q.probs.shape[1]] = q.probs
+                drawn[b] = True
+        return cls(tokens, probs, drawn)
+
+    def dense(self, vocab: int) -> np.ndarray:
+        """``[N + B, vocab]`` float32 (a row without ``q`` is all zero)."""
+        out = np.zeros((len(self.tokens), vocab), np.float32)
+        row, column = np.nonzero(self.tokens >= 0)
+        out[row, self.tokens[row, column]] = self.probs[row, column]
+        return out
 
 
 def flatten_parents(trees: Sequence[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
