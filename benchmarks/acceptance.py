@@ -81,6 +81,11 @@ CONFIGS: dict[str, dict] = {
     "rest_tree_k16": _ours("RestProposer", 16, tree=True),
     "rest_tree_k16_fixed": _ours("RestProposer", 16, tree=True, budget="fixed"),
     "ngrammys_tree_k16": _ours("NGrammysProposer", 16, tree=True),
+    # Temperature > 0: candidates drawn from the drafter's q and verified by MCSS (default: deterministic).
+    "rest_k8_sampled": _ours("RestProposer", 8, candidates="sampled"),
+    "rest_tree_k16_sampled": _ours("RestProposer", 16, tree=True, candidates="sampled"),
+    "rest_tree_k16_sampled_replacement": _ours("RestProposer", 16, tree=True, candidates="sampled",
+                                               candidate_replacement=True),
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
     "ngrammys_k8": _ours("NGrammysProposer", 8),

@@ -85,10 +85,11 @@ def test_with_replacement_the_candidates_are_independent():
     assert chi2_pvalue(np.array([outcomes.index(p) for p in pairs]), expected) > P_FLOOR
 
 
-def test_trees_are_breadth_first_within_budget_with_each_nodes_q():
+def test_trees_stay_within_budget_parents_first_with_each_nodes_q():
     rng = np.random.default_rng(3)
     two = candidate_nodes([[10, 11, 12, 13, 14], [20, 21]], [[-1, -1, 0, 0, 1], [-1, 0]],
                           [[0.6, 0.4, 0.5, 0.5, 1.0], [1.0, 1.0]])
+    children = CandidateChildren.of(two)
     for budget in range(6):
         drawn = sample_candidate_trees(two, np.array([budget, budget]), rng, per_node=2)
         assert drawn.size.tolist() == [min(budget, 5), min(budget, 2)]
@@ -96,31 +97,56 @@ def test_trees_are_breadth_first_within_budget_with_each_nodes_q():
             n = int(drawn.size[row])
             parents = drawn.parents[row, :n]
             assert all(p < i for i, p in enumerate(parents)), "parents come first"
-            depth = [0] * n
-            for i, p in enumerate(parents):
-                depth[i] = 1 if p < 0 else depth[p] + 1
-            assert depth == sorted(depth), "breadth first"
+            siblings = [(p, t) for p, t in zip(parents.tolist(), drawn.tokens[row, :n].tolist())]
+            assert len(set(siblings)) == n, "without replacement no node has a token twice"
             source = drawn.source[row, :n]
             assert (two.tokens[row, source] == drawn.tokens[row, :n]).all()
             q = drawn.row_q(row)
             assert q.tokens.shape[0] == n + 1
-            children = CandidateChildren.of(two)
             for slot, node in enumerate([-1, *source.tolist()]):
                 listed = children.index[row, node + 1]
                 want = sorted(two.tokens[row, listed[listed >= 0]].tolist())
                 assert sorted(q.tokens[slot][q.tokens[slot] >= 0].tolist()) == want
 
 
-def test_the_budget_cut_depends_on_earlier_levels_only():
-    """Whatever is drawn, a full binary candidate tree gives every row the same shape: the
-    number of nodes per level is decided before that level is drawn."""
-    tokens, parents = [], []
-    for node in range(14):  # a complete binary tree of depth 3
-        parents.append(-1 if node < 2 else node // 2 - 1)
-        tokens.append(100 + node)
-    nodes = candidate_nodes([tokens] * 8, [parents] * 8, [np.random.default_rng(4).random(14).tolist()] * 8)
-    drawn = sample_candidate_trees(nodes, np.full(8, 9), np.random.default_rng(5), per_node=2)
-    assert (drawn.size == 9).all() and (drawn.parents == drawn.parents[0]).all()
+def test_draws_go_deep_where_q_is_sure_and_wide_where_it_is_not():
+    """Root -> A (0.95) -> a chain; root -> B (0.05). Once A is drawn, continuing its chain is
+    likelier to pay than a second root candidate: the budget goes down the chain."""
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    parents = [-1, -1, 0, 2, 3, 4, 5]
+    nodes = candidate_nodes([tokens], [parents], [[0.95, 0.05, 1, 1, 1, 1, 1]])
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        drawn = sample_candidate_trees(nodes, np.array([5]), rng, per_node=2)
+        if drawn.tokens[0, 0] == 1:
+            assert drawn.tokens[0, :5].tolist() == [1, 3, 4, 5, 6]
+        else:  # B drawn first: A (0.95 of what is left) comes next at the root
+            assert drawn.tokens[0, :2].tolist() == [2, 1] and drawn.parents[0, :2].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_drawn_trees_verified_with_their_q_emit_the_target_distribution(replacement):
+    """The drawn trees and their q, verified by the MCSS kernel against a fixed target p, emit
+    tokens distributed as p at the first and second position: sampled candidates are lossless."""
+    from vllm_retrieval_spec.kernels.tree import AcceptRule, SparseDraft, accept_trees
+
+    target = np.array([0.3, 0.25, 0.2, 0.15, 0.1, 0.0], np.float32)
+    nodes = candidate_nodes([[0, 1, 4, 2, 0, 3]], [[-1, -1, -1, 0, 0, 1]], [[0.5, 0.3, 0.2, 0.7, 0.3, 1.0]])
+    rule = AcceptRule.MCSS if replacement else AcceptRule.MCSS_NO_REPLACEMENT
+    rng = np.random.default_rng(7)
+    first, second = [], []
+    for trial in range(DRAWS):
+        drawn = sample_candidate_trees(nodes, np.array([4]), rng, per_node=2, replacement=replacement)
+        n = int(drawn.size[0])
+        q = drawn.row_q(0)
+        result = accept_trees(np.tile(target, (n + 1, 1)), drawn.tokens[0, :n], drawn.parents[0, :n],
+                              np.array([0, n]), np.array([rule]), np.array([trial], np.uint64),
+                              draft=SparseDraft(q.tokens, q.probs))
+        first.append(int(result.out_tokens[0, 0]))
+        if result.out_tokens.shape[1] > 1 and result.out_tokens[0, 1] >= 0:
+            second.append(int(result.out_tokens[0, 1]))
+    assert chi2_pvalue(np.array(first), target.astype(np.float64)) > P_FLOOR
+    assert chi2_pvalue(np.array(second), target.astype(np.float64)) > P_FLOOR
 
 
 def test_draft_q_rows_follow_the_kernels_row_layout():

@@ -9,11 +9,13 @@ parent's), raised to ``1 / draft_temperature`` and normalised over the node's ch
 candidate tree.
 
 MCSS is lossless for any ``q`` as long as every candidate it verifies was drawn from the ``q``
-it is verified with and no candidate is dropped because of its own value. So the shape is
-decided before the draws it governs: a row's node budget comes from the deterministic candidate
-tree (the goodput budget's choice), each node gets ``min(k, its children)`` candidates (``k``
-with replacement), nodes are drawn breadth-first and the budget cuts the breadth-first order,
-which depends only on earlier draws. Everything is vectorised over rows (no per-row Python).
+it is verified with (without replacement: from ``q`` less its earlier siblings, in the order
+they are verified) and no candidate is dropped because of its own value. So every decision is
+taken before the draw it governs: a row's node budget comes from the deterministic candidate
+tree (the goodput budget's choice), and each next draw goes where the earlier draws make it
+most promising (best first: the path's ``q`` probability times the ``q`` mass the node's
+drawn children leave), at most ``k`` candidates per node. Vectorised over rows: one NumPy pass
+per drawn node, no per-row Python.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_retrieval_spec.drafts import DraftNodes
-
-GUMBEL_FLOOR = 1e-30
 
 
 @dataclass
@@ -102,87 +102,87 @@ class SampledTrees:
 def sample_candidate_trees(nodes: DraftNodes, budgets: np.ndarray, rng: np.random.Generator, *,
                            per_node: int = 1, replacement: bool = False,
                            draft_temperature: float = 1.0) -> SampledTrees:
-    """Draw up to ``budgets[i]`` nodes for row ``i`` from its candidate tree: breadth first,
-    ``per_node`` candidates under each drawn node (a chain when 1), with or without
-    replacement among its children, each from the children's ``q``."""
+    """Draw up to ``budgets[i]`` nodes for row ``i`` from its candidate tree, one at a time,
+    best first: each draw goes under the drawn node (or the root) whose next candidate is most
+    likely to be accepted by ``q``'s own account, its path probability times the ``q`` mass its
+    drawn children leave (at most ``per_node`` children each: a chain when 1), with or without
+    replacement among its children. Nodes come in draw order (parents first, a node's
+    candidates in the order MCSS verifies them)."""
     children = CandidateChildren.of(nodes, draft_temperature)
-    rows = nodes.tokens.shape[0]
+    rows, most = len(nodes.tokens), children.q.shape[2]
     budgets = np.minimum(np.asarray(budgets, np.int64), nodes.size)
     width = max(int(budgets.max(initial=0)), 1)
-    out = _Growing(rows, width)
-    # The frontier: (row, drawn node index or -1 for the root, candidate slot) per entry.
-    f_row = np.arange(rows)
-    f_node = np.full(rows, -1, np.int64)
-    f_slot = np.zeros(rows, np.int64)
-    used = np.zeros(rows, np.int64)
-    counts = children.counts()
-    while len(f_row):
-        available = counts[f_row, f_slot]
-        wanted = np.minimum(per_node, available) if not replacement else np.where(available > 0, per_node, 0)
-        # Breadth-first order: each entry's candidates take the row's next free places.
-        before = _exclusive_row_cumsum(f_row, wanted)
-        take = np.clip(budgets[f_row] - used[f_row] - before, 0, wanted)
-        drawn = _draw(children.q[f_row, f_slot], per_node, replacement, rng)  # [F, per_node] ranks
-        entry, column = np.nonzero(np.arange(per_node)[None, :] < take[:, None])
-        if not len(entry):
+    growing = _Growing(rows, width, most)
+    row = np.arange(rows)
+    for used in range(width):
+        score = growing.expansion_scores(children, per_node, replacement)
+        slot = np.argmax(score, axis=1)
+        active = np.flatnonzero((score[row, slot] > 0) & (used < budgets))
+        if not len(active):
             break
-        row = f_row[entry]
-        candidate = children.index[row, f_slot[entry], drawn[entry, column]].astype(np.int64)
-        position = used[row] + before[entry] + column
-        out.add(row, position, nodes.tokens[row, candidate], f_node[entry], candidate)
-        np.add.at(used, f_row, take)
-        f_row, f_node, f_slot = row, position, candidate + 1
-        keep_growing = used[f_row] < budgets[f_row]
-        f_row, f_node, f_slot = f_row[keep_growing], f_node[keep_growing], f_slot[keep_growing]
-    return out.finish(used, nodes.tokens, children)
+        q = children.q[active, growing.candidate[active, slot[active]] + 1]
+        if not replacement:
+            q = np.where(growing.drawn[active, slot[active]], 0.0, q)
+        rank = _draw(q, rng)
+        growing.add(active, used, slot[active], rank, children, nodes.tokens)
+    return growing.finish(nodes.tokens, children)
 
 
-def _draw(q: np.ndarray, per_node: int, replacement: bool, rng: np.random.Generator) -> np.ndarray:
-    """``[F, per_node]`` child ranks: i.i.d. from each row of ``q`` (with replacement), else the
-    sequential draw without replacement (Gumbel top-k: the order of the draws; ranks past a
-    row's children are meaningless and never taken)."""
-    if replacement:
-        cdf = np.cumsum(q, axis=1)
-        u = rng.random((len(q), per_node)) * cdf[:, -1:]
-        ranks = (u[:, :, None] >= cdf[:, None, :]).sum(axis=2)
-        return np.minimum(ranks, q.shape[1] - 1)
-    keys = np.log(np.maximum(q, GUMBEL_FLOOR)) - np.log(-np.log(rng.random(q.shape)))
-    keys = np.where(q > 0, keys, -np.inf)
-    ranks = np.argsort(-keys, axis=1, kind="stable")[:, :per_node]
-    return np.pad(ranks, ((0, 0), (0, per_node - ranks.shape[1])))
-
-
-def _exclusive_row_cumsum(row: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """For entries grouped by ``row`` (rows ascending, as the frontier keeps them), the sum of
-    ``values`` over the earlier entries of the same row."""
-    total = np.cumsum(values) - values
-    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]]) if len(row) else np.zeros(0, np.int64)
-    first = np.repeat(total[starts], np.diff(np.r_[starts, len(row)]))
-    return total - first
+def _draw(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One rank per row of ``q`` (unnormalised), by the inverse of its cumulative sum."""
+    cdf = np.cumsum(q, axis=1)
+    u = rng.random(len(q)) * cdf[:, -1]
+    return np.minimum((u[:, None] >= cdf).sum(axis=1), q.shape[1] - 1)
 
 
 class _Growing:
-    """The drawn trees being filled breadth first."""
+    """The drawn trees, grown one node per row and step. Slot 0 of every per-node array is the
+    root, slot ``j + 1`` drawn node ``j``."""
 
-    def __init__(self, rows: int, width: int) -> None:
+    def __init__(self, rows: int, width: int, most: int) -> None:
         self.tokens = np.full((rows, width), -1, np.int32)
         self.parents = np.full((rows, width), -1, np.int32)
         self.source = np.full((rows, width), -1, np.int32)
+        self.size = np.zeros(rows, np.int32)
+        self.candidate = np.full((rows, width + 1), -2, np.int64)  # candidate node per slot (-1: the root)
+        self.candidate[:, 0] = -1
+        self.path = np.zeros((rows, width + 1))  # q's probability of the path to the slot
+        self.path[:, 0] = 1.0
+        self.left = np.ones((rows, width + 1))  # q mass of the slot's children not drawn yet
+        self.children = np.zeros((rows, width + 1), np.int64)
+        self.drawn = np.zeros((rows, width + 1, most), bool)  # [row, slot, rank]: that child was drawn
 
-    def add(self, row: np.ndarray, position: np.ndarray, tokens: np.ndarray, parents: np.ndarray,
-            source: np.ndarray) -> None:
-        self.tokens[row, position] = tokens
-        self.parents[row, position] = parents
-        self.source[row, position] = source
+    def expansion_scores(self, children: CandidateChildren, per_node: int, replacement: bool) -> np.ndarray:
+        """How likely each slot's next candidate is to be accepted, by ``q``; 0 where no more
+        candidate can be drawn there."""
+        row = np.arange(len(self.candidate))[:, None]
+        counts = children.counts()[row, np.maximum(self.candidate + 1, 0)]
+        room = (self.candidate >= -1) & (self.children < per_node) & (counts > 0)
+        if not replacement:
+            room &= self.children < counts
+        return np.where(room, self.path * self.left, 0.0)
 
-    def finish(self, size: np.ndarray, candidate_tokens: np.ndarray, children: CandidateChildren) -> SampledTrees:
+    def add(self, rows: np.ndarray, position: int, slot: np.ndarray, rank: np.ndarray,
+            children: CandidateChildren, candidate_tokens: np.ndarray) -> None:
+        parent_candidate = self.candidate[rows, slot] + 1
+        candidate = children.index[rows, parent_candidate, rank].astype(np.int64)
+        q = children.q[rows, parent_candidate, rank]
+        self.tokens[rows, position] = candidate_tokens[rows, candidate]
+        self.parents[rows, position] = slot - 1
+        self.source[rows, position] = candidate
+        self.size[rows] = position + 1
+        self.candidate[rows, position + 1] = candidate
+        self.path[rows, position + 1] = self.path[rows, slot] * q
+        self.left[rows, slot] = np.maximum(self.left[rows, slot] - q, 0.0)
+        self.children[rows, slot] += 1
+        self.drawn[rows, slot, rank] = True
+
+    def finish(self, candidate_tokens: np.ndarray, children: CandidateChildren) -> SampledTrees:
         rows = self.tokens.shape[0]
-        slots = np.concatenate([np.zeros((rows, 1), np.int64), self.source.astype(np.int64) + 1], axis=1)
-        slots = np.where(np.concatenate([np.ones((rows, 1), bool), self.source >= 0], axis=1), slots, -1)
-        row = np.arange(rows)[:, None]
-        index = np.where(slots[:, :, None] >= 0, children.index[row, np.maximum(slots, 0)], -1)
-        q = np.where(index >= 0, children.q[row, np.maximum(slots, 0)], 0.0)
+        slots = np.maximum(self.candidate + 1, 0)  # the root's slot for nodes not drawn (never read)
+        index = children.index[np.arange(rows)[:, None], slots]
+        q = np.where(index >= 0, children.q[np.arange(rows)[:, None], slots], 0.0)
         flat_rows = np.broadcast_to(np.arange(rows)[:, None, None], index.shape)
         tokens = np.where(index >= 0, candidate_tokens[flat_rows, np.maximum(index, 0)], -1)
-        return SampledTrees(self.tokens, self.parents, size.astype(np.int32), self.source,
-                            tokens.astype(np.int32), q.astype(np.float32))
+        return SampledTrees(self.tokens, self.parents, self.size, self.source, tokens.astype(np.int32),
+                            q.astype(np.float32))
