@@ -101,3 +101,21 @@ def test_a_wrong_rule_is_caught(model_dir, reference, monkeypatch):
     with running_engine(rest_engine(model_dir, {"tree": True, **SAMPLED})) as llm:
         tokens = engine_samples(llm, PROMPT, range(WRONG_RULE_REQUESTS), MAX_TOKENS, TEMPERATURE)
     assert min(drafted_positions_pvalues(reference[1.0][:WRONG_RULE_REQUESTS], tokens)) < WRONG_RULE_P_CEILING
+
+
+PENALTY_REQUESTS = 600
+
+
+def test_penalties_send_drawn_chains_to_vllms_sampler_with_their_q(model_dir):
+    """Penalties apply to drafts as a sequence, which our kernel does not do: such chain steps go
+    to vLLM's rejection sampler, given the drawn candidates' q as its draft probabilities."""
+    penalty = {"repetition_penalty": 1.3}
+    with running_engine(EngineSpec(model_dir, max_num_seqs=128, block_size=BLOCK_SIZE)) as llm:
+        reference = engine_samples(llm, PROMPT, range(PENALTY_REQUESTS), MAX_TOKENS, TEMPERATURE, **penalty)
+    with running_engine(rest_engine(model_dir, SAMPLED)) as llm:
+        before = spec_decode_counters(llm)
+        tokens = engine_samples(llm, PROMPT, range(PENALTY_REQUESTS), MAX_TOKENS, TEMPERATURE, **penalty)
+        counters = spec_decode_counters(llm) - before
+        session = drafter_of(llm).session
+    assert counters.drafts >= PENALTY_REQUESTS and session.stats.mcss_requests == 0  # not our kernel
+    assert min(drafted_positions_pvalues(reference, tokens)) > P_FLOOR

@@ -255,17 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
 
+    from vllm_retrieval_spec.datastores.sources import add_input_arguments
+
     datastore = commands.add_parser("datastore", help="build or inspect REST and dense (DReSD) datastores")
     datastore_commands = datastore.add_subparsers(dest="datastore_command", required=True)
     build = datastore_commands.add_parser("build", help="tokenize inputs and build the suffix array")
     build.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory to tokenize with")
-    build.add_argument("--input", nargs="+", help="text files, directories, .zip archives, .jsonl(.gz) files")
-    build.add_argument("--recipe", help="build a recipe from datastores/ instead (e.g. python-code)")
-    build.add_argument("--out", help="datastore directory (default for recipes: the cache)")
-    build.add_argument("--include", action="append", help="glob of files to take (repeatable; default *)")
-    build.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
-    build.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "
-                       "records with 'messages' are rendered with the chat template)")
+    add_input_arguments(build, "python-code")
     build.add_argument("--replace", action="store_true",
                        help="rebuild an existing datastore (only a datastore or an empty directory is replaced)")
     build.set_defaults(handler=_datastore_build)

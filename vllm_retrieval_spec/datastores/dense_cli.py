@@ -27,14 +27,10 @@ OPTION_FLAGS = {  # DenseBuildOptions field -> help (all default to the recipe's
 
 def add_build_dense_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``datastore build-dense``."""
+    from vllm_retrieval_spec.datastores.sources import add_input_arguments
+
     parser.add_argument("--model", required=True, help="model directory (its hidden states are the keys)")
-    parser.add_argument("--input", nargs="+", help="text files, directories, .zip archives, .jsonl(.gz) files")
-    parser.add_argument("--recipe", help="build a recipe from datastores/ instead (e.g. python-code-dense)")
-    parser.add_argument("--out", help="store directory (default for recipes: the cache)")
-    parser.add_argument("--include", action="append", help="glob of files to take (repeatable; default *)")
-    parser.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
-    parser.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "
-                        "records with 'messages' are rendered with the chat template)")
+    add_input_arguments(parser, "python-code-dense")
     for name, help_text in OPTION_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None, help=help_text)
     parser.add_argument("--replace", action="store_true",

@@ -5,6 +5,7 @@ document is an error."""
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import contextlib
 import fnmatch
@@ -37,6 +38,17 @@ class InputSpec:
         name = relative.rsplit("/", 1)[-1]
         included = any(_match(relative, name, g) for g in self.include)
         return included and not any(_match(relative, name, g) for g in self.exclude)
+
+
+def add_input_arguments(parser: argparse.ArgumentParser, recipe_example: str) -> None:
+    """The flags that say what a store is built from (``datastore build`` and ``build-dense``)."""
+    parser.add_argument("--input", nargs="+", help="text files, directories, .zip archives, .jsonl(.gz) files")
+    parser.add_argument("--recipe", help=f"build a recipe from datastores/ instead (e.g. {recipe_example})")
+    parser.add_argument("--out", help="store directory (default for recipes: the cache)")
+    parser.add_argument("--include", action="append", help="glob of files to take (repeatable; default *)")
+    parser.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
+    parser.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "
+                        "records with 'messages' are rendered with the chat template)")
 
 
 def _match(relative: str, name: str, pattern: str) -> bool:

@@ -171,7 +171,7 @@ class DraftProposer(abc.ABC):
         self.stats.draft_tokens += int(chosen.sizes.sum())
         count_sources(self.stats.draft_tokens_by_source,
                       chosen.sources[np.arange(chosen.sources.shape[1])[None, :] < chosen.sizes[:, None]])
-        if self.options.tree or chosen.draft_q:
+        if self.session is not None and (self.options.tree or chosen.draft_q):
             self._publish_trees(drafts, chosen)
         return drafts
 
@@ -193,7 +193,7 @@ class DraftProposer(abc.ABC):
         if len(batch) == 0:
             return None
         found = self.draft(batch)
-        trees = self.options.tree and found.tree_tokens is not None  # some drafters only draft chains
+        trees = batch.trees and self.options.tree and found.tree_tokens is not None  # some draft chains only
         nodes = found.nodes(trees)
         if budget is None:
             chosen = ChosenDrafts(batch.rows, nodes.tokens, nodes.parents, np.minimum(nodes.size, batch.budgets),
@@ -207,7 +207,7 @@ class DraftProposer(abc.ABC):
 
     def _row_samples(self, rows: np.ndarray) -> np.ndarray | None:
         """Which of ``rows`` belong to requests that sample (None when not known)."""
-        samples = getattr(self.session, "step_samples", None)
+        samples = None if self.session is None else self.session.step_samples
         return None if samples is None else samples[rows]
 
     def _samples_candidates(self) -> bool:
@@ -269,7 +269,6 @@ class DraftProposer(abc.ABC):
                 "exact); see stats.failures for the count",
                 type(self).__name__,
             )
-
 
 
 def _widened(array: np.ndarray, width: int) -> np.ndarray:

@@ -3,17 +3,20 @@
 The session is created with the runner (``integration/vllm_patches.py``), handed to the
 drafter, and owns everything that lives between drafting and verification:
 
-- the request ids of the rows being drafted for (from the runner, before each ``propose``);
-- per-request state (:class:`RequestState`, and the goodput budget's per-request factors),
-  released when the scheduler reports the request finished or aborted;
+- the request ids of the rows being drafted for, and which of them sample (temperature > 0),
+  from the runner before each ``propose``;
+- per-request state (:class:`RequestState`: the last drafted tree and, for sampled candidates,
+  the distributions they were drawn from; the goodput budget's per-request factors), released
+  when the scheduler reports the request finished or aborted;
 - the cross-request :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex` (REST
   with ``use_output_index``), fed with the tokens of every finished request;
 - with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
   model learns from the time between consecutive drafting calls (drafting itself excluded)
   and the tokens the step in between scheduled;
-- in tree mode, one target step's verification (:class:`TreeStep` below): the step plan
-  (depth positions, flat indices, KV slots), the tree-attention fix-up, the plan the tree
-  sampler walks and the KV compaction of the accepted paths;
+- the plan of every target step our sampler verifies (a tree branches, or a request that
+  samples has drafts): the trees and draft distributions the sampler walks and, for branching
+  trees, depth positions, KV slots, the tree-attention fix-up and the KV compaction of the
+  accepted paths;
 - its counters and its one-time check of the attention KV layout (per runner, so a second
   engine in the same process checks its own);
 - the runner's Prometheus metrics (``integration/metrics.py``), published once per step
