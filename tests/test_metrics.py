@@ -69,8 +69,9 @@ def test_steps_publish_draft_budget_and_acceptance_counts():
     assert value("accepted_draft_tokens_total", labels, source="context") == 2
     assert value("budget_step_cost_seconds", labels, term="draft_token") == pytest.approx(1e-5, rel=0.01)
     session.stats.compacted_slots += 5  # what a tree step's compaction adds
+    session.stats.mcss_requests += 3  # what a step of drawn candidates adds
     step(session, proposer, [[]])  # a step without sampled tokens: nothing drafted
-    assert value("compacted_kv_slots_total", labels) == 5
+    assert value("compacted_kv_slots_total", labels) == 5 and value("mcss_requests_total", labels) == 3
     assert value("draft_tokens_total", labels, source="context") == 6 and value("drafting_seconds_count", labels) == 3
 
 

@@ -86,6 +86,8 @@ COUNTERS = (
     CounterSpec("branching_trees", "Request-steps whose draft tree branched.", lambda c: c.tree.branching_requests),
     CounterSpec("compacted_kv_slots", "KV cache slots moved onto the accepted path after tree verification.",
                 lambda c: c.tree.compacted_slots),
+    CounterSpec("mcss_requests", "Request-steps whose candidates were drawn from the drafter's q and verified "
+                "by multi-candidate speculative sampling (candidates: sampled).", lambda c: c.tree.mcss_requests),
     CounterSpec("budget_steps", "Goodput budget steps by decision: drafted, declined (nothing worth "
                 "verifying) or skipped (no row worth searching).", _budget(_decisions), "decision"),
     CounterSpec("budget_skipped_searches", "Request-steps whose search the goodput budget skipped.",
