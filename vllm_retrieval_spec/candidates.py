@@ -20,6 +20,7 @@ per drawn node, no per-row Python.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,7 @@ class CandidateChildren:
         q = np.divide(weight, total, out=np.zeros_like(weight), where=total > 0)
         return cls(index, q)
 
+    @functools.cached_property
     def counts(self) -> np.ndarray:
         """``[rows, N + 1]`` children per node."""
         return (self.index >= 0).sum(axis=2)
@@ -156,7 +158,7 @@ class _Growing:
         """How likely each slot's next candidate is to be accepted, by ``q``; 0 where no more
         candidate can be drawn there."""
         row = np.arange(len(self.candidate))[:, None]
-        counts = children.counts()[row, np.maximum(self.candidate + 1, 0)]
+        counts = children.counts[row, np.maximum(self.candidate + 1, 0)]
         room = (self.candidate >= -1) & (self.children < per_node) & (counts > 0)
         if not replacement:
             room &= self.children < counts
