@@ -5,7 +5,8 @@ Queries are the target's last hidden states at every position of the first --pro
 HumanEval prompts (one forward pass each). For each batch size, --rounds calls on fresh random
 batches; we report p50/p99 of the whole call and of the FAISS call alone, per thread count.
 ``next-token hit@k``: the share of queries for which some neighbour's stored first token is
-the prompt's actual next token (DReSD keeps only such neighbours), a quality signal.
+the prompt's actual next token (DReSD keeps only such neighbours), a quality signal. ``recall@k``
+(IVF stores): the share of the exact k nearest neighbours (every list probed) the index finds.
 
     python benchmarks/dense_search.py --store python-code-dense --batches 1 8 64
 
@@ -71,6 +72,18 @@ def next_token_hit(store, states: np.ndarray, next_tokens: np.ndarray, k: int) -
     return float((values[:, :, 0] == next_tokens[:, None]).any(axis=1).mean())
 
 
+def recall_at_k(store, states: np.ndarray, k: int, nprobe: int | None) -> float | None:
+    """Share of the exhaustive search's neighbours (every IVF list probed) that ``nprobe`` lists find."""
+    nlist = store.manifest.index.nlist
+    if not nlist or not nprobe:
+        return None
+    _, found = store.search_keys(store.transform.apply(states), k)
+    store.set_nprobe(nlist)
+    _, exact = store.search_keys(store.transform.apply(states), k)
+    store.set_nprobe(nprobe)
+    return float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(found, exact)]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", default="python-code-dense", help="dense store directory or recipe name")
@@ -80,6 +93,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=32, help="neighbours per query (the dense_neighbours default)")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the manifest's)")
     args = parser.parse_args()
 
     from vllm_retrieval_spec.datastores.dense import open_dense_datastore_for_model
@@ -87,6 +101,9 @@ def main() -> None:
 
     model_dir = Path(args.model) if args.model else ensure_smollm2_checkpoint()
     store = open_dense_datastore_for_model(args.store, model_dir)
+    nprobe = args.nprobe or store.manifest.index.nprobe
+    if nprobe:
+        store.set_nprobe(nprobe)
     states, next_tokens = query_states(model_dir, args.prompts)
     rows = []
     for threads in args.threads:
@@ -97,16 +114,21 @@ def main() -> None:
     m = store.manifest
     result = {
         "store": str(store.path), "positions": m.num_positions, "dim": m.dim, "index": m.index.describe(),
+        "nprobe": nprobe,
         "bytes_per_position": m.bytes_per_position, "k": args.k, "rounds": args.rounds, "queries": len(states),
         "next_token_hit_at_k": round(next_token_hit(store, states, next_tokens, args.k), 4),
         "next_token_hit_at_1": round(next_token_hit(store, states, next_tokens, 1), 4),
+        "recall_at_k": recall_at_k(store, states, args.k, nprobe),
         "cpus": len(os.sched_getaffinity(0)), "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = Path(args.store).name if "/" in args.store else args.store
-    (RESULTS / f"dense_search_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{m.num_positions:,} positions, index {result['index']}, k={args.k}, {len(states)} query states; "
-          f"next-token hit@{args.k} {result['next_token_hit_at_k']:.1%}, hit@1 {result['next_token_hit_at_1']:.1%}")
+    suffix = f"_nprobe{args.nprobe}" if args.nprobe else ""
+    (RESULTS / f"dense_search_{name}{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{m.num_positions:,} positions, index {result['index']} (probing {nprobe}), k={args.k}, "
+          f"{len(states)} query states; "
+          f"next-token hit@{args.k} {result['next_token_hit_at_k']:.1%}, hit@1 {result['next_token_hit_at_1']:.1%}"
+          + (f", recall@{args.k} {result['recall_at_k']:.1%}" if result["recall_at_k"] is not None else ""))
     print(f"{'threads':>7} {'batch':>5} {'search p50 µs':>14} {'p99':>9} {'faiss p50 µs':>13} {'p99':>9}")
     for row in rows:
         search, faiss_only = row["search_us"], row["faiss_us"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -140,11 +141,18 @@ def settings_for(args: argparse.Namespace, model: str, concurrency: int, rate: f
 
 
 def reference_results(args: argparse.Namespace, requests: list[LoadRequest]) -> list[RequestResult]:
-    """The reference server's outputs, at the sweep's highest concurrency."""
+    """The reference server's outputs, at the sweep's highest concurrency. Greedy outputs depend
+    only on the request, so a request a cycled dataset repeats is sent once."""
     concurrency = max(args.concurrency)
+    distinct: dict[str, int] = {}
+    first_of = [distinct.setdefault(json.dumps(dataclasses.asdict(r), sort_keys=True), i)
+                for i, r in enumerate(requests)]
+    sent = sorted(set(first_of))
     with open_target(args.compare_to, concurrency) as url:
         settings = settings_for(args, args.model or served_model(url), concurrency)
-        return run_load_sync(url, requests, settings, label="reference").results
+        results = run_load_sync(url, [requests[i] for i in sent], settings, label="reference").results
+    by_request = {i: result for i, result in zip(sent, sorted(results, key=lambda r: r.index))}
+    return [dataclasses.replace(by_request[first], index=i) for i, first in enumerate(first_of)]
 
 
 def benchmark_server(label: str, url: str, requests: list[LoadRequest], args: argparse.Namespace,

@@ -219,10 +219,13 @@ def test_runner_keeps_concurrency_and_reports_each_request(stream):
 # --- A real server ------------------------------------------------------------------------------
 
 
+MAX_NUM_SEQS = 16  # the 64 clients queue at the servers: 16 in flight
+
+
 @pytest.fixture(scope="module")
 def rest_server(model_dir, code_store):
     spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
-    with VllmServer(model_dir, speculative_config=spec, extra_args=["--max-num-seqs", "4"],
+    with VllmServer(model_dir, speculative_config=spec, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
                     additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
         yield server
 
@@ -255,7 +258,7 @@ def test_vllm_bench_serve_runs_through_our_cli(rest_server, model_dir):
 @pytest.mark.server
 def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_server, model_dir, tmp_path):
     out = tmp_path / "load64.json"
-    with VllmServer(model_dir, extra_args=["--max-num-seqs", "4"]) as reference:
+    with VllmServer(model_dir, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)]) as reference:
         subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
                         reference.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
                         "--form", "chat", "--out", str(out)], check=True, timeout=1800)
