@@ -77,9 +77,10 @@ def recall_at_k(store, states: np.ndarray, k: int, nprobe: int | None) -> float 
     nlist = store.manifest.index.nlist
     if not nlist or not nprobe:
         return None
-    _, found = store.search_keys(store.transform.apply(states), k)
+    keys = store.transform.apply(states)
+    _, found = store.search_keys(keys, k)
     store.set_nprobe(nlist)
-    _, exact = store.search_keys(store.transform.apply(states), k)
+    _, exact = store.search_keys(keys, k)
     store.set_nprobe(nprobe)
     return float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(found, exact)]))
 

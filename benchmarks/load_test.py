@@ -151,7 +151,7 @@ def reference_results(args: argparse.Namespace, requests: list[LoadRequest]) -> 
     with open_target(args.compare_to, concurrency) as url:
         settings = settings_for(args, args.model or served_model(url), concurrency)
         results = run_load_sync(url, [requests[i] for i in sent], settings, label="reference").results
-    by_request = {i: result for i, result in zip(sent, sorted(results, key=lambda r: r.index))}
+    by_request = {sent[result.index]: result for result in results}  # index: position in what was sent
     return [dataclasses.replace(by_request[first], index=i) for i, first in enumerate(first_of)]
 
 

@@ -16,7 +16,7 @@ from vllm_retrieval_spec.datastores.dense_format import IndexSpec
 Z_EPSILON = 1e-6  # std = sqrt(var + Z_EPSILON), as the paper's equation 1
 FIT_CHUNK_ROWS = 16_384
 FLAT_MAX_POSITIONS = 16_384  # exact search up to here (~0.16 ms per query on 2 cores at 64 dims; IVF-Flat
-# with nprobe = nlist / 16 is ~6x faster on 120k positions at recall@32 0.99: benchmarks/dense_search.py)
+# with nprobe = nlist / 16 is 5-10x faster on 120k positions at recall@32 0.99: benchmarks/dense_search.py)
 INDEX_MEMORY_BYTES = 4 << 30  # IVF-Flat while its vectors and ids fit; IVF-PQ beyond
 MIN_POINTS_PER_LIST = 39  # FAISS's k-means wants at least this many training points per centroid
 TRAIN_POINTS_PER_LIST = 64
