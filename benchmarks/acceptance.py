@@ -14,6 +14,11 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
     python benchmarks/acceptance.py --prompts 164 --max-tokens 64 --concurrency 8 --form both --tag budget
         --configs none suffix rest_k8 rest_k8_fixed rest_tree_k16 prompt_lookup_k8 ngrammys_k8 ngrammys_tree_k16
         (one command line)
+    python benchmarks/acceptance.py --dataset benchmarks/data/code_edit.jsonl --prompts 40 --max-tokens 256
+
+``--dataset`` takes the prompts from a JSONL file of chat ``messages`` records (rendered with the
+model's chat template) or raw ``prompt`` records instead, e.g. the workloads of ``workloads.py``;
+the file's name then stands for ``<form>`` in the report's name.
 
 Greedy by default; with ``--temperature`` (and ``--top-p``) requests sample without per-request
 seeds (vLLM's seeded path is slower on the CPU and would mix its cost into the ratios), outputs
@@ -34,6 +39,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,10 +54,14 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     generate,
     shutdown_llm,
 )
+from vllm_retrieval_spec.evaluation.load import jsonl_requests  # noqa: E402
 from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters, summarize  # noqa: E402
-from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
+from vllm_retrieval_spec.evaluation.prompts import chat_prompts, humaneval_prompts  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 RESULTS = Path(__file__).resolve().parent / "results"
 INDIST_STORE = cache_root() / "datastores" / "stdlib-answers"
@@ -207,15 +217,29 @@ def budget_report(llm, concurrency: int) -> dict | None:
     }
 
 
+def benchmark_prompts(model: Path, form: str, args: argparse.Namespace) -> list[str]:
+    """The first ``--prompts`` prompts of ``--dataset``, else of HumanEval in ``form``."""
+    if args.dataset is None and form == "raw":
+        return humaneval_prompts(args.prompts, "raw")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if args.dataset is None:
+        return humaneval_prompts(args.prompts, "chat", tokenizer)
+    return dataset_prompts(args.dataset, args.prompts, tokenizer)
+
+
+def dataset_prompts(path: Path, count: int | None, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The first ``count`` records of a JSONL file: chat ``messages`` rendered with ``tokenizer``'s
+    chat template, raw ``prompt`` records as they are."""
+    requests = jsonl_requests(path, None, 0)[:count]
+    return [r.prompt if r.messages is None else chat_prompts([r.messages], tokenizer)[0] for r in requests]
+
+
 def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Namespace) -> dict:
     """Every config on the same prompts; the report is written after each config (a long run
     that stops keeps what it measured)."""
-    tokenizer = None
-    if form == "chat":
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = humaneval_prompts(args.prompts, form, tokenizer)
+    prompts = benchmark_prompts(model, form, args)
     results, outputs = [], []
     report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p,
@@ -289,7 +313,10 @@ def resolve_configs(requested: list[str], repeat_baseline: bool) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=40, help="first N HumanEval prompts (164 = all)")
+    parser.add_argument("--prompts", type=int, default=40, help="first N prompts (HumanEval: 164 = all)")
+    parser.add_argument("--dataset", type=Path, help="JSONL of chat `messages` (or raw `prompt`) records to take "
+                        "the prompts from instead of HumanEval, e.g. benchmarks/data/code_edit.jsonl (--form "
+                        "is ignored)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
@@ -308,7 +335,8 @@ def main() -> None:
     model = ensure_smollm2_checkpoint()
     names = resolve_configs(args.configs, args.repeat_baseline)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for form in (["raw", "chat"] if args.form == "both" else [args.form]):
+    forms = ["raw", "chat"] if args.form == "both" else [args.form]
+    for form in [args.dataset.stem] if args.dataset else forms:
         report = benchmark_form(model, form, names, args)
         print_table(report)
         print(f"written: {report_path(form, report, args)}")

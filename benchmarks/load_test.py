@@ -11,6 +11,8 @@ Targets are --url (any running server: ours, vLLM without speculation, vLLM ``su
     python benchmarks/load_test.py --url URL --dataset synthetic --input-len 512 --output-len 128
         --request-rate 1 2 4 --concurrency 64   (one command line)
     python benchmarks/load_test.py --url URL --dataset prompts.jsonl   (records with "messages" or "prompt")
+    python benchmarks/load_test.py --serve rest_k8 --dataset mixed --concurrency 64 --num-requests 1000
+        --compare-to none   (greedy and sampled, per-request parameters; greedy outputs compared)
 
 Writes benchmarks/results/load_<dataset>_n<requests>_t<max tokens>[_<tag>].json and a .png of
 tokens/s and p99 TPOT against concurrency (or request rate), one line per server.
@@ -41,6 +43,7 @@ from vllm_retrieval_spec.evaluation.load import (
     format_table,
     humaneval_requests,
     jsonl_requests,
+    mixed_requests,
     run_load_sync,
     served_model,
     summarize_run,
@@ -56,7 +59,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", nargs="+", default=[], help="acceptance.py configs to start, one at a time")
     parser.add_argument("--label", nargs="+", default=[], help="names of the targets, --url ones first")
     parser.add_argument("--model", help="served model name (default: the first one of /v1/models)")
-    parser.add_argument("--dataset", default="humaneval", help="humaneval, synthetic, or a JSONL file")
+    parser.add_argument("--dataset", default="humaneval",
+                        help="humaneval, synthetic, mixed (chat and completion, short and long, greedy and sampled "
+                        "with per-request parameters; greedy ones compared), or a JSONL file")
     parser.add_argument("--form", choices=["raw", "chat"], default="raw", help="HumanEval prompts (default raw)")
     parser.add_argument("--tokenizer", help="render chat prompts / cut synthetic prompts to token ids with "
                         "it (without one chat prompts go to /v1/chat/completions as messages)")
@@ -82,8 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.url and not args.serve:
         parser.error("give at least one --url or --serve")
-    if args.compare_to and args.temperature != 0:
-        parser.error("--compare-to needs greedy requests (--temperature 0)")
+    if args.compare_to and args.temperature != 0 and args.dataset != "mixed":
+        parser.error("--compare-to needs greedy requests (--temperature 0, or --dataset mixed)")
     if args.label and len(args.label) != len(args.url) + len(args.serve):
         parser.error("give one --label per target (--url ones first, then --serve ones)")
     return args
@@ -94,7 +99,7 @@ def dataset_name(args: argparse.Namespace) -> str:
         return f"humaneval_{args.form}"
     if args.dataset == "synthetic":
         return f"synthetic_i{args.input_len}_o{args.output_len}"
-    return Path(args.dataset).stem
+    return "mixed" if args.dataset == "mixed" else Path(args.dataset).stem
 
 
 def build_requests(args: argparse.Namespace) -> list[LoadRequest]:
@@ -107,6 +112,8 @@ def build_requests(args: argparse.Namespace) -> list[LoadRequest]:
         return humaneval_requests(args.num_requests, args.form, args.max_tokens, tokenizer)
     if args.dataset == "synthetic":
         return synthetic_requests(args.num_requests, args.input_len, args.output_len, args.seed, tokenizer)
+    if args.dataset == "mixed":
+        return mixed_requests(args.num_requests, args.max_tokens, args.seed)
     return jsonl_requests(args.dataset, args.num_requests, args.max_tokens)
 
 
@@ -141,18 +148,18 @@ def settings_for(args: argparse.Namespace, model: str, concurrency: int, rate: f
 
 
 def reference_results(args: argparse.Namespace, requests: list[LoadRequest]) -> list[RequestResult]:
-    """The reference server's outputs, at the sweep's highest concurrency. Greedy outputs depend
-    only on the request, so a request a cycled dataset repeats is sent once."""
+    """The reference server's outputs of the greedy requests, at the sweep's highest concurrency.
+    Greedy outputs depend only on the request, so a request a cycled dataset repeats is sent once."""
     concurrency = max(args.concurrency)
     distinct: dict[str, int] = {}
     first_of = [distinct.setdefault(json.dumps(dataclasses.asdict(r), sort_keys=True), i)
                 for i, r in enumerate(requests)]
-    sent = sorted(set(first_of))
+    sent = sorted({first for first, request in zip(first_of, requests) if request.is_greedy(args.temperature)})
     with open_target(args.compare_to, concurrency) as url:
         settings = settings_for(args, args.model or served_model(url), concurrency)
         results = run_load_sync(url, [requests[i] for i in sent], settings, label="reference").results
     by_request = {sent[result.index]: result for result in results}  # index: position in what was sent
-    return [dataclasses.replace(by_request[first], index=i) for i, first in enumerate(first_of)]
+    return [dataclasses.replace(by_request[first], index=i) for i, first in enumerate(first_of) if first in by_request]
 
 
 def benchmark_server(label: str, url: str, requests: list[LoadRequest], args: argparse.Namespace,
@@ -173,7 +180,8 @@ def benchmark_server(label: str, url: str, requests: list[LoadRequest], args: ar
             print(f"{label} c={concurrency}: engine RSS (requests, MiB) {memory['rss_mib']}; growth from "
                   f"request {memory['after']}: {memory['growth']}")
         if reference is not None:
-            row["compare"] = count_differences(run.results, reference)
+            row["compare"] = count_differences(run.results, reference,
+                                               [request.is_greedy(args.temperature) for request in requests])
         rows.append(row)
     return rows
 

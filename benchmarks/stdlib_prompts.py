@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import random
@@ -33,16 +34,30 @@ MIN_DOCSTRING_CHARS = 40
 def stdlib_functions(root: Path) -> Iterator[tuple[str, str]]:
     """``(name, prompt)`` of every public module-level function of the public modules under
     ``root`` whose docstring has at least ``MIN_DOCSTRING_CHARS`` characters, in walk order."""
+    for _, _, tree in parsed_modules(root):
+        for node, doc in documented_functions(tree):
+            yield node.name, signature_and_docstring(node, doc)
+
+
+def parsed_modules(root: Path) -> Iterator[tuple[Path, str, ast.Module]]:
+    """``(path, source, tree)`` of the public modules under ``root`` that parse, in walk order."""
     for path in public_modules(root):
         try:
-            tree = ast.parse(path.read_bytes())
+            source = importlib.util.decode_source(path.read_bytes())
+            tree = ast.parse(source)
         except (SyntaxError, ValueError):  # Python 2 leftovers, bad encodings
             continue
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = (ast.get_docstring(node) or "").strip()
-                if len(doc) >= MIN_DOCSTRING_CHARS:
-                    yield node.name, signature_and_docstring(node, doc)
+        yield path, source, tree
+
+
+def documented_functions(tree: ast.Module) -> Iterator[tuple[ast.FunctionDef, str]]:
+    """``(node, docstring)`` of the public module-level functions of ``tree`` whose docstring has
+    at least ``MIN_DOCSTRING_CHARS`` characters."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            doc = (ast.get_docstring(node) or "").strip()
+            if len(doc) >= MIN_DOCSTRING_CHARS:
+                yield node, doc
 
 
 def public_modules(root: Path) -> Iterator[Path]:
@@ -70,11 +85,21 @@ def signature_and_docstring(node: ast.FunctionDef, doc: str) -> str:
     return f'def {node.name}({ast.unparse(node.args)}){returns}:\n    """{body.lstrip()}\n    """\n'
 
 
+def stdlib_root() -> Path:
+    """The interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def humaneval_entry_points() -> set[str]:
+    """The function names HumanEval problems ask for (standard-library functions so named are left out)."""
+    return {problem["entry_point"] for problem in humaneval_problems()}
+
+
 def prompt_records(count: int, form: str, seed: int) -> list[dict]:
     """``count`` functions sampled with ``seed`` as ``{"prompt"}`` and/or ``{"messages"}`` records;
     says how many were left out for a name a HumanEval problem uses."""
-    excluded = {problem["entry_point"] for problem in humaneval_problems()}
-    found = list(stdlib_functions(Path(sysconfig.get_paths()["stdlib"])))
+    excluded = humaneval_entry_points()
+    found = list(stdlib_functions(stdlib_root()))
     functions = [(name, prompt) for name, prompt in found if name not in excluded]
     print(f"{len(found)} standard-library functions, {len(found) - len(functions)} named like a HumanEval "
           "entry point left out")

@@ -1,6 +1,7 @@
 // Bindings of the drafting kernels: context n-grams (CPU, CUDA), REST retrieval and the merge
 // of N-Grammys drafts into trees (CPU).
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include "draft_merge.h"
 #include "parallel.h"
 #include "rest_retrieval.h"
+#include "store_check.h"
 #ifdef VRS_WITH_CUDA
 #include "context_ngram_cuda.h"
 #endif
@@ -283,20 +285,13 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* o
   });
 }
 
-// run_rest on the store's index type (or on none: context only).
-template <typename Tok>
-void dispatch_suffix_array(const SuffixStore& store, const vrs::OutputIndex* output,
-                           const DenseInput& dense, const TokenMatrix<Cpu>& tokens,
-                           const ConstVector<Cpu>& lengths,
-                           const ConstVector<Cpu>& rows, const vrs::RestParams& prm,
-                           RestArrays& out, int num_threads) {
-  if (store.suffix_array.dtype() == nb::dtype<int32_t>()) {
-    const auto index = store.index<Tok, int32_t>();
-    run_rest(&index, output, dense, tokens, lengths, rows, prm, out, num_threads);
-  } else {
-    const auto index = store.index<Tok, int64_t>();
-    run_rest(&index, output, dense, tokens, lengths, rows, prm, out, num_threads);
-  }
+// fn(index) with the store's index typed by its token and suffix-array dtypes.
+template <typename Fn>
+auto visit_index(const SuffixStore& store, Fn&& fn) {
+  const bool wide = store.suffix_array.dtype() == nb::dtype<int64_t>();
+  if (store.tokens.dtype() == nb::dtype<uint16_t>())
+    return wide ? fn(store.index<uint16_t, int64_t>()) : fn(store.index<uint16_t, int32_t>());
+  return wide ? fn(store.index<uint32_t, int64_t>()) : fn(store.index<uint32_t, int32_t>());
 }
 
 // The output index's arrays: uint32 tokens and an int32 suffix array (OutputIndex).
@@ -320,12 +315,51 @@ nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, Toke
   const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
   if (store == nullptr || !prm.use_datastore) {
     run_rest<uint16_t, int32_t>(nullptr, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
-  } else if (store->tokens.dtype() == nb::dtype<uint16_t>()) {
-    dispatch_suffix_array<uint16_t>(*store, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    dispatch_suffix_array<uint32_t>(*store, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
+    visit_index(*store, [&](const auto& index) {
+      run_rest(&index, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
+    });
   }
   return out.as_dict();
+}
+
+// ---- Datastore checks at open (store_check.h) ----
+
+// The first problem of the store's suffix array, as (the suffix array alone is at fault,
+// message); None when the checks pass. Reads the whole suffix array once (GIL released).
+std::optional<std::tuple<bool, std::string>> check_suffix_store(const SuffixStore& store, int64_t samples,
+                                                               int compare_tokens, uint64_t seed) {
+  if (samples < 0 || compare_tokens < 1)
+    throw std::invalid_argument("need samples >= 0 and compare_tokens >= 1");
+  vrs::StoreProblem found;
+  {
+    nb::gil_scoped_release release;
+    found = visit_index(store, [&](const auto& index) {
+      return vrs::check_suffix_index(index, samples, compare_tokens, seed);
+    });
+  }
+  if (!found.found) return std::nullopt;
+  return std::make_tuple(found.suffix_array_only, found.message);
+}
+
+// Occurrences of each token below vocab_size (separators skipped), and the index of the first
+// token that is neither (-1: none; counting stopped there). GIL released.
+std::tuple<NewArray<int64_t, 1>, int64_t> token_counts(AnyVector tokens, uint32_t separator, int64_t vocab_size) {
+  if (vocab_size < 0) throw std::invalid_argument("vocab_size must be >= 0");
+  const bool narrow = tokens.dtype() == nb::dtype<uint16_t>();
+  if (!narrow && tokens.dtype() != nb::dtype<uint32_t>())
+    throw std::invalid_argument("tokens must be uint16 or uint32");
+  auto counts = new_array<int64_t, 1>({static_cast<size_t>(vocab_size)}, 0);
+  int64_t* count_data = counts.data();
+  const int64_t n = static_cast<int64_t>(tokens.shape(0));
+  const void* data = tokens.data();
+  int64_t bad;
+  {
+    nb::gil_scoped_release release;
+    bad = narrow ? vrs::count_tokens(static_cast<const uint16_t*>(data), n, separator, count_data, vocab_size)
+                 : vrs::count_tokens(static_cast<const uint32_t*>(data), n, separator, count_data, vocab_size);
+  }
+  return {counts, bad};
 }
 
 void bind_rest(nb::module_& m) {
@@ -353,6 +387,17 @@ void bind_rest(nb::module_& m) {
       .def(nb::init<AnyVector, AnyVector, uint32_t, std::optional<OffsetVector>>(),
            nb::arg("tokens"), nb::arg("suffix_array"), nb::arg("separator"),
            nb::arg("first_token_offsets").none() = nb::none());
+  m.def("check_suffix_store", &check_suffix_store, nb::arg("store"), nb::arg("samples"),
+        nb::arg("compare_tokens"), nb::arg("seed") = 0,
+        "Quick checks of a store read from disk (GIL released): every suffix-array entry in range "
+        "and the entries a permutation (sum and sum of squares), each first-token bucket's ends "
+        "starting with its token (with first_token_offsets), and adjacent suffixes in order over "
+        "compare_tokens tokens (every pair when there are at most `samples`, else `samples` "
+        "random pairs drawn with seed). Returns None, or (the suffix array alone is at fault, "
+        "what is wrong).");
+  m.def("token_counts", &token_counts, nb::arg("tokens"), nb::arg("separator"), nb::arg("vocab_size"),
+        "(counts [vocab_size] int64, index of the first token neither below vocab_size nor the "
+        "separator or -1) of a uint16/uint32 token array (GIL released).");
   m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
         nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("dense_tokens").none() = nb::none(),
         nb::arg("dense_lengths").none() = nb::none(), nb::arg("profile") = false,

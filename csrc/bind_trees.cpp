@@ -270,6 +270,9 @@ struct TreeAttentionInputs {
   int heads;
   int layout;
   float scale;
+  int window;
+  float softcap;
+  std::optional<FloatVector<Device>> sinks;
 
   vrs::TreeAttentionArgs args() const {
     const size_t nodes = node_row.shape(0), kv_heads = kv_cache.shape(1);
@@ -289,18 +292,24 @@ struct TreeAttentionInputs {
       throw std::invalid_argument("node_row, node_request, node_context, node_index and "
                                   "ancestors must have one row per node");
     if (layout != 0 && layout != 1) throw std::invalid_argument("layout must be 0 or 1");
+    const bool sinks_fit = !sinks || sinks->shape(0) == static_cast<size_t>(heads);
+    if (window < 0 || !(softcap >= 0.0f) || !sinks_fit)
+      throw std::invalid_argument("window must be >= 0 (0: none), softcap >= 0 (0: none) and "
+                                  "sinks [heads] float32");
     const vrs::AttentionDtype dtype = attention_dtype(query.dtype());
     if (attention_dtype(kv_cache.dtype()) != dtype || attention_dtype(out.dtype()) != dtype)
       throw std::invalid_argument("query, kv_cache and out must have one dtype");
     return vrs::TreeAttentionArgs{
         query.data(), kv_cache.data(), out.data(), node_row.data(), block_table.data(),
         node_request.data(), node_context.data(), node_index.data(), ancestors.data(),
-        static_cast<int64_t>(nodes), static_cast<int64_t>(query.shape(0)), query.stride(0),
+        sinks ? sinks->data() : nullptr, static_cast<int64_t>(nodes),
+        static_cast<int64_t>(query.shape(0)), query.stride(0),
         static_cast<int64_t>(out.shape(0)), out.stride(0),
         static_cast<int64_t>(kv_cache.shape(0)), static_cast<int64_t>(block_table.shape(0)),
         static_cast<int>(block_table.shape(1)), static_cast<int>(ancestors.shape(1)), heads,
         static_cast<int>(kv_heads), static_cast<int>(head_size),
-        static_cast<int>(kv_cache.shape(2)), static_cast<vrs::KVLayoutCode>(layout), dtype, scale};
+        static_cast<int>(kv_cache.shape(2)), static_cast<vrs::KVLayoutCode>(layout), dtype, scale,
+        window, softcap};
   }
 };
 
@@ -414,15 +423,18 @@ void bind_trees(nb::module_& m) {
          RowVector<Cpu> node_row, TableMatrix<Cpu> block_table,
          ConstVector<Cpu> node_request, ConstVector<Cpu> node_context,
          ConstVector<Cpu> node_index, ConstMaskMatrix<Cpu> ancestors, int heads, int layout,
-         float scale, int num_threads) {
+         float scale, int num_threads, int window, float softcap,
+         std::optional<FloatVector<Cpu>> sinks) {
         return tree_attention_cpu({query, kv_cache, out, node_row, block_table, node_request,
-                                   node_context, node_index, ancestors, heads, layout, scale},
+                                   node_context, node_index, ancestors, heads, layout, scale,
+                                   window, softcap, sinks},
                                   num_threads);
       },
       nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("node_row"),
       nb::arg("block_table"), nb::arg("node_request"), nb::arg("node_context"),
       nb::arg("node_index"), nb::arg("ancestors"), nb::arg("heads"), nb::arg("layout"),
-      nb::arg("scale"), nb::arg("num_threads") = 0,
+      nb::arg("scale"), nb::arg("num_threads") = 0, nb::arg("window") = 0,
+      nb::arg("softcap") = 0.0f, nb::arg("sinks").none() = nb::none(),
       "Tree attention of draft nodes over their paged context and ancestors (CPU threads, GIL "
       "released); overwrites rows node_row of out [tokens, heads * head_size].");
 #ifdef VRS_WITH_CUDA
@@ -432,15 +444,18 @@ void bind_trees(nb::module_& m) {
          RowVector<Cuda> node_row, TableMatrix<Cuda> block_table,
          ConstVector<Cuda> node_request, ConstVector<Cuda> node_context,
          ConstVector<Cuda> node_index, ConstMaskMatrix<Cuda> ancestors, int heads, int layout,
-         float scale, std::uintptr_t stream) {
+         float scale, std::uintptr_t stream, int window, float softcap,
+         std::optional<FloatVector<Cuda>> sinks) {
         return tree_attention_gpu({query, kv_cache, out, node_row, block_table, node_request,
-                                   node_context, node_index, ancestors, heads, layout, scale},
+                                   node_context, node_index, ancestors, heads, layout, scale,
+                                   window, softcap, sinks},
                                   stream);
       },
       nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("node_row"),
       nb::arg("block_table"), nb::arg("node_request"), nb::arg("node_context"),
       nb::arg("node_index"), nb::arg("ancestors"), nb::arg("heads"), nb::arg("layout"),
-      nb::arg("scale"), nb::arg("stream") = 0,
+      nb::arg("scale"), nb::arg("stream") = 0, nb::arg("window") = 0,
+      nb::arg("softcap") = 0.0f, nb::arg("sinks").none() = nb::none(),
       "tree_attention on a CUDA device (one block per node and kv head).");
 #endif
   m.def(

@@ -1,8 +1,10 @@
 // CPU backend of tree attention (tree_attention.h): threads over (tile of up to kTileNodes
 // nodes of one request, kv head). A task scores each context block of the cache for all of its
 // query rows at once (the block stays in L1), folds it into a per-row online softmax, then adds
-// each node's ancestors. The hot function is compiled for AVX-512, AVX2+FMA and baseline x86-64
-// (picked at load time); this file alone may contract multiply-adds (CMakeLists.txt).
+// each node's ancestors; a row masks the keys before its sliding window (blocks before every
+// row's window are skipped), soft-caps its scores and starts its softmax from its sink. The hot
+// function is compiled for AVX-512, AVX2+FMA and baseline x86-64 (picked at load time); this
+// file alone may contract multiply-adds (CMakeLists.txt).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -75,9 +77,10 @@ VRS_INLINE void store_chunk(float* p, VFloat v) { std::memcpy(p, &v, sizeof(v));
 VRS_INLINE VFloat splat(float x) { return VFloat{} + x; }
 
 // exp(x) for x <= 0 on a chunk: Cephes' single-precision polynomial (within 2 ulp), rounded
-// to nearest by the 1.5 * 2^23 trick.
+// to nearest by the 1.5 * 2^23 trick; 0 below -87 (exp(-inf) of a masked key included).
 VRS_INLINE VFloat exp_nonpositive(VFloat x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
+  const auto underflow = x < -87.0f;
+  x = underflow ? splat(-87.0f) : x;
   const VFloat k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const VFloat r = x - k * 0.693359375f + k * 2.12194440e-4f;
   VFloat p = splat(1.9875691500e-4f);
@@ -90,7 +93,7 @@ VRS_INLINE VFloat exp_nonpositive(VFloat x) {
   const VInt exponent = (__builtin_convertvector(k, VInt) + 127) << 23;
   VFloat scale;
   std::memcpy(&scale, &exponent, sizeof(scale));
-  return y * scale;
+  return underflow ? splat(0.0f) : y * scale;
 }
 
 VRS_INLINE float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
@@ -111,6 +114,8 @@ struct Strides {
 struct Workspace {
   std::vector<float> q, acc, max, sum, scores;  // scores: [rows, stride]
   std::vector<int64_t> node_keys, node_values;   // a node's ancestors' offsets in the cache
+  std::vector<int> first;  // per row: the first key its window keeps (tree_attention.h)
+  std::vector<int> skip;   // per row: keys of the current block before its window
   int stride = 0;
 
   void reset(int rows, int head_size, int block_size, int max_tree_nodes) {
@@ -120,8 +125,33 @@ struct Workspace {
     max.assign(rows, -std::numeric_limits<float>::infinity());
     sum.assign(rows, 0.0f);
     scores.resize(static_cast<size_t>(rows) * stride);
+    first.assign(rows, 0);
+    skip.assign(rows, 0);
   }
 };
+
+// The node's depth: its ancestors-or-self, bits 0..node_index of its ancestor row.
+inline int depth_of(const TreeAttentionArgs& a, int64_t node) {
+  const int index = a.node_index[node];
+  const uint64_t* bits = a.ancestors + node * a.words;
+  int depth = 0;
+  for (int w = 0; w <= index / 64; ++w) {
+    const int last = std::min(63, index - w * 64);
+    const uint64_t mask = last == 63 ? ~uint64_t{0} : (uint64_t{2} << last) - 1;
+    depth += __builtin_popcountll(bits[w] & mask);
+  }
+  return depth;
+}
+
+// The first of a node's context + depth keys its window keeps (0 without a window).
+inline int first_key(const TreeAttentionArgs& a, int context, int depth) {
+  return a.window > 0 ? std::max(0, context + depth - a.window) : 0;
+}
+
+// scores[0..n) = softcap * tanh(scores / softcap).
+inline void cap_scores(float* scores, int n, float softcap) {
+  for (int t = 0; t < n; ++t) scores[t] = softcap * std::tanh(scores[t] / softcap);
+}
 
 struct Tile {
   int64_t begin, end;  // nodes [begin, end) of one request
@@ -172,13 +202,19 @@ VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, con
   }
 }
 
-// Folds `n` scored keys into rows [row_begin, row_end): scores[r * stride + t] becomes
-// exp(score - new max), values of key t start at cache + value_at(t).
+// Folds `n` scored keys into rows [row_begin, row_end): row r's keys before skip[r] (none
+// when skip is null) are outside its window and weigh nothing, the others are soft-capped
+// (softcap > 0); scores[r * stride + t] becomes exp(score - new max), values of key t start
+// at cache + value_at(t).
 template <typename T, typename ValueAt>
 VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int head_size,
-                          const T* cache, ValueAt value_at) {
+                          const T* cache, ValueAt value_at, const int* skip, float softcap) {
   for (int r = row_begin; r < row_end; ++r) {
     float* s = ws.scores.data() + static_cast<int64_t>(r) * ws.stride;
+    const int outside = skip ? std::min(skip[r], n) : 0;
+    std::fill(s, s + outside, outside == n ? 0.0f : -std::numeric_limits<float>::infinity());
+    if (outside == n) continue;  // weights 0: the row's state stays as it is
+    if (softcap > 0.0f) cap_scores(s + outside, n - outside, softcap);
     const int full = n - n % kChunk;
     VFloat tops = splat(ws.max[r]);
     for (int t = 0; t < full; t += kChunk) {
@@ -261,36 +297,47 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
   const T* query = static_cast<const T*>(a.query);
   const T* cache = static_cast<const T*>(a.cache);
   ws.reset(rows, hs, bs, a.words * 64);
+  const int64_t request = a.node_request[tile.begin];
+  const TaskView view{a, Strides::of(a), a.block_table + request * a.table_width,
+                      a.node_context[tile.begin]};
+  int window_start = view.context;  // the first context key any row of the tile keeps
   for (int r = 0; r < rows; ++r) {
     const int64_t node = tile.begin + r / group, head = g * group + r % group;
     const T* src = query + a.node_row[node] * a.query_stride + head * hs;
     for (int d = 0; d < hs; ++d) ws.q[static_cast<size_t>(r) * hs + d] = to_float(src[d]) * a.scale;
+    ws.first[r] = first_key(a, view.context, depth_of(a, node));
+    window_start = std::min(window_start, ws.first[r]);
+    if (a.sinks) {  // the sink: a key of score sinks[head] and no value
+      ws.max[r] = a.sinks[head];
+      ws.sum[r] = 1.0f;
+    }
   }
-  const int64_t request = a.node_request[tile.begin];
-  const TaskView view{a, Strides::of(a), a.block_table + request * a.table_width,
-                      a.node_context[tile.begin]};
   const Strides& st = view.st;
-  for (int start = 0; start < view.context; start += bs) {
+  for (int start = window_start - window_start % bs; start < view.context; start += bs) {
     const int64_t base = view.block_base(start, g);
     const int n = std::min(bs, view.context - start);
+    for (int r = 0; r < rows; ++r) ws.skip[r] = std::max(0, ws.first[r] - start);
     score_block(ws, rows, n, hs, bs, cache + base, st);
     fold_keys(ws, 0, rows, n, hs, cache,
-              [&](int t) { return base + st.value_offset + t * st.value_t; });
+              [&](int t) { return base + st.value_offset + t * st.value_t; },
+              a.window > 0 ? ws.skip.data() : nullptr, a.softcap);
   }
   for (int64_t node = tile.begin; node < tile.end; ++node) {  // ancestors and the node itself
     const int index = a.node_index[node];
     const uint64_t* bits = a.ancestors + node * a.words;
+    const int first = static_cast<int>(node - tile.begin) * group;
+    int key = view.context;  // the ancestor's key number (tree_attention.h)
     ws.node_keys.clear();
     ws.node_values.clear();
     for (int j = 0; j <= index; ++j) {
       if (!((bits[j / 64] >> (j % 64)) & 1)) continue;
+      if (key++ < ws.first[first]) continue;  // before the node's window
       const int pos = view.context + j;
       const int64_t base = view.block_base(pos, g), in_block = pos % bs;
       ws.node_keys.push_back(base + in_block * st.key_t);
       ws.node_values.push_back(base + st.value_offset + in_block * st.value_t);
     }
     const int n = static_cast<int>(ws.node_keys.size());
-    const int first = static_cast<int>(node - tile.begin) * group;
     for (int r = first; r < first + group; ++r) {
       const float* qr = ws.q.data() + static_cast<int64_t>(r) * hs;
       for (int t = 0; t < n; ++t) {
@@ -300,7 +347,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
         ws.scores[static_cast<int64_t>(r) * ws.stride + t] = dot;
       }
     }
-    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) { return ws.node_values[t]; });
+    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) { return ws.node_values[t]; },
+              nullptr, a.softcap);
   }
   T* out = static_cast<T*>(a.out);
   for (int r = 0; r < rows; ++r) {

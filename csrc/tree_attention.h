@@ -7,6 +7,12 @@
 // of request r = node_request[m] (a row of block_table) with local index
 // j = node_index[m] and context length C = node_context[m] (root included) attends to the cache
 // positions 0..C-1 and to C + a for every ancestor-or-self a of j (bit a of its ancestor row).
+// Those keys are, in order, the node's path from the first token: logical positions 0..C-1+d
+// for a node at depth d (its number of ancestors-or-self), the node itself last. A sliding
+// window of W keeps the last W of them (keys at logical positions > C-1+d-W, as vLLM's window
+// counts from the query's own position); a soft-cap s maps each scaled score x to
+// s * tanh(x / s); an attention sink adds exp(sink[h]) to query head h's softmax denominator
+// (a key without a value).
 // The CPU kernel (tree_attention.cpp) and the CUDA kernel (tree_attention_cuda.cu) compute the
 // same online softmax in float32; vllm_retrieval_spec.kernels.attention_reference is the plain
 // torch reference both are tested against.
@@ -34,6 +40,7 @@ struct TreeAttentionArgs {
   const int32_t* node_context;  // [nodes] context tokens of the node's request (root included)
   const int32_t* node_index;    // [nodes] local index within its tree
   const uint64_t* ancestors;    // [nodes, words] bit a: local node a is an ancestor or itself
+  const float* sinks;           // [heads] sink logit per query head, or nullptr (no sinks)
   int64_t num_nodes;
   int64_t query_rows;
   int64_t query_stride;
@@ -50,6 +57,8 @@ struct TreeAttentionArgs {
   KVLayoutCode layout;
   AttentionDtype dtype;
   float scale;
+  int window;     // sliding window in keys (the query's own included), 0: none
+  float softcap;  // logit soft-cap, 0: none
 };
 
 // CPU threads over (tile of a request's nodes, kv head); throws std::out_of_range on a block

@@ -1,7 +1,9 @@
 // CUDA backend of tree attention (tree_attention.h): one thread block per (node, kv head), the
 // keys in tiles of kThreads (one per thread), an online softmax per query head in shared
 // memory, the output accumulated by (head, dim) pairs spread over the threads. Reads the paged
-// cache in place; a position outside the block table or the cache contributes nothing.
+// cache in place; a position outside the block table or the cache contributes nothing. Keys
+// before the node's sliding window are never read, scores are soft-capped and each head's
+// softmax starts from its sink, as in the CPU kernel (tree_attention.cpp).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -62,9 +64,9 @@ __global__ void tree_attention_kernel(TreeAttentionArgs a) {
     const int h = i / hs, d = i % hs;
     sh.q[h][d] = to_float(query[row * a.query_stride + (g * group + h) * hs + d]) * a.scale;
   }
-  if (tid < group) {
-    sh.max[tid] = -INFINITY;
-    sh.sum[tid] = 0.0f;
+  if (tid < group) {  // a sink is a key of score sinks[head] and no value
+    sh.max[tid] = a.sinks ? a.sinks[g * group + tid] : -INFINITY;
+    sh.sum[tid] = a.sinks ? 1.0f : 0.0f;
   }
   if (tid == 0) {
     const int index = a.node_index[node];
@@ -79,10 +81,11 @@ __global__ void tree_attention_kernel(TreeAttentionArgs a) {
   const bool known_request = request >= 0 && request < a.table_rows;
   const int context = a.node_context[node];
   const int num_keys = known_request ? context + sh.num_ancestors : 0;
+  const int first_key = a.window > 0 ? max(0, num_keys - a.window) : 0;  // the node's window
   const int* table = a.block_table + static_cast<long long>(known_request ? request : 0) * a.table_width;
   float acc[kMaxPairs];
   for (int p = 0; p < kMaxPairs; ++p) acc[p] = 0.0f;
-  for (int tile = 0; tile < num_keys; tile += kThreads) {
+  for (int tile = first_key; tile < num_keys; tile += kThreads) {
     const int key = tile + tid;
     bool valid = key < num_keys;
     long long base = 0;
@@ -101,6 +104,7 @@ __global__ void tree_attention_kernel(TreeAttentionArgs a) {
         const T* k = cache + base + in_block * key_t;
         dot = 0.0f;
         for (int d = 0; d < hs; ++d) dot += sh.q[h][d] * to_float(k[d * key_d]);
+        if (a.softcap > 0.0f) dot = a.softcap * tanhf(dot / a.softcap);
       }
       sh.scores[h][tid] = dot;
     }

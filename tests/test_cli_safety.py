@@ -10,7 +10,6 @@ import os
 import py_compile
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +27,6 @@ from vllm_retrieval_spec.storage import atomic_directory, build_dir_prefix
 CLI = [sys.executable, "-m", "vllm_retrieval_spec.cli"]
 REST = json.dumps({"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4})
 NGRAMMYS = json.dumps({"model": "vllm_retrieval_spec.NGrammysProposer", "num_speculative_tokens": 4})
-SOURCE = "def add(a, b):\n    return a + b\n"
 
 
 def run_cli(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -45,20 +43,6 @@ def error_line(result: subprocess.CompletedProcess, *named: object) -> str:
     for name in named:
         assert str(name) in line
     return line
-
-
-@pytest.fixture()
-def source_tree(tmp_path) -> Path:
-    root = tmp_path / "src"
-    root.mkdir()
-    (root / "add.py").write_text(SOURCE)
-    return root
-
-
-@pytest.fixture()
-def store(model_dir, source_tree, tmp_path) -> Path:
-    build_datastore(model_dir, [InputSpec(source_tree)], tmp_path / "store", progress=False)
-    return tmp_path / "store"
 
 
 # --replace and existing outputs

@@ -6,7 +6,6 @@ import gzip
 import json
 import zipfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ from vllm_retrieval_spec.datastores.format import token_dtype_for
 from vllm_retrieval_spec.datastores.resolve import resolve_datastore_dir, tokenizer_identity
 from vllm_retrieval_spec.datastores.sources import InputSpec, split_long_document
 from vllm_retrieval_spec.options import OptionsError
+
+from conftest import fake_vllm_config
 
 DOCS = {
     "a.py": "def add(a, b):\n    return a + b\n",
@@ -222,11 +223,8 @@ def test_rest_proposer_refuses_a_store_of_another_tokenizer_at_engine_start(
     from vllm_retrieval_spec.proposers.rest import RestProposer
 
     build_datastore(other_tokenizer_dir, [InputSpec(source_tree)], tmp_path / "store", progress=False)
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=4),
-        model_config=SimpleNamespace(max_model_len=64, tokenizer=str(model_dir)),
-        additional_config={"retrieval_spec": {"datastore": str(tmp_path / "store")}},
-    )
+    config = fake_vllm_config(max_model_len=64, options={"datastore": str(tmp_path / "store")},
+                              tokenizer=str(model_dir))
     with pytest.raises(DatastoreError, match="rebuild the datastore with"):
         RestProposer(config)
 

@@ -33,6 +33,7 @@ from vllm_retrieval_spec.datastores.dense_index import IndexLimits, fit_transfor
 from vllm_retrieval_spec.datastores.recipes import load_recipe
 from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
 from vllm_retrieval_spec.ngrams.table import ModelIdentity
+from vllm_retrieval_spec.storage import file_records
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 N = 10  # value tokens
@@ -221,13 +222,22 @@ def test_token_ids_beyond_the_vocabulary_are_refused(store_copy):
         DenseDatastore.open(store_copy)
 
 
+def replace_index(store: Path, content: bytes) -> None:
+    """Write another ``index.faiss`` and record it in the manifest (past its checksum, to FAISS)."""
+    (store / "index.faiss").write_bytes(content)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["files"]["index.faiss"] = file_records(store, ["index.faiss"])["index.faiss"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [(lambda d: (d / "values.bin").write_bytes((d / "values.bin").read_bytes()[:-4]),
       r"values\.bin is truncated or corrupt"),
      (lambda d: (d / "components.bin").unlink(), r"components\.bin is missing"),
-     (lambda d: (d / "index.faiss").write_bytes(b"not an index"), r"index\.faiss cannot be read by FAISS"),
-     (lambda d: faiss.write_index(faiss.IndexFlatIP(64), str(d / "index.faiss")),
+     (lambda d: (d / "index.faiss").write_bytes(b"not an index"), r"index\.faiss is corrupt: sha256"),
+     (lambda d: replace_index(d, b"not an index"), r"index\.faiss cannot be read by FAISS"),
+     (lambda d: replace_index(d, faiss.serialize_index(faiss.IndexFlatIP(64)).tobytes()),
       r"index\.faiss does not match the manifest \(0 vectors, the manifest says \d+ positions\)"),
      (lambda d: np.full(576, np.nan, dtype=np.float32).tofile(d / "std.bin"), r"std\.bin holds NaN")],
 )

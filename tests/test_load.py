@@ -31,6 +31,7 @@ from vllm_retrieval_spec.evaluation.load import (
     format_table,
     humaneval_requests,
     jsonl_requests,
+    mixed_requests,
     percentiles,
     run_load,
     summarize_run,
@@ -261,10 +262,44 @@ def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_s
     with VllmServer(model_dir, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)]) as reference:
         subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
                         reference.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
-                        "--form", "chat", "--out", str(out)], check=True, timeout=1800)
+                        "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
     [row] = json.loads(out.read_text())["results"]
     assert row["completed"] == 200 and row["errors"] == {}
-    assert row["compare"]["compared"] == 200 and row["compare"]["differing"] == 0
+    greedy = sum(request.is_greedy(0.0) for request in mixed_requests(200, 16))
+    assert row["compare"]["compared"] == greedy and row["compare"]["differing"] == 0
+
+
+def test_the_mixed_load_is_what_a_shared_server_sees():
+    requests = mixed_requests(400, 64, seed=3)
+    assert requests == mixed_requests(400, 64, seed=3)
+    sampling = [r.sampling for r in requests]
+    assert 0.3 < sum(r.is_greedy(0.0) for r in requests) / 400 < 0.5
+    temperatures = [s["temperature"] for s in sampling if s["temperature"] > 0]
+    assert min(temperatures) >= 0.3 and max(temperatures) <= 1.2
+    for key in ("top_p", "top_k", "seed", "n", "stop", "repetition_penalty"):
+        assert any(key in s for s in sampling), key
+    assert any(r.messages for r in requests) and any(r.prompt for r in requests)
+    lengths = [len(r.prompt) for r in requests if r.prompt]
+    assert max(lengths) > 3 * min(lengths)  # short and long prompts
+    assert {r.max_tokens for r in requests} == {16, 32, 64}
+
+
+def test_per_request_sampling_goes_where_the_openai_client_and_vllm_take_it():
+    request = LoadRequest(prompt="x", sampling={"temperature": 0.7, "top_k": 20, "seed": 5, "n": 2,
+                                                "repetition_penalty": 1.1, "stop": ["\n"]})
+    arguments = load._create_arguments(request, LoadSettings("m", temperature=0.0))
+    assert arguments["temperature"] == 0.7 and arguments["seed"] == 5 and arguments["n"] == 2
+    assert arguments["stop"] == ["\n"]
+    assert arguments["extra_body"] == {"top_k": 20, "repetition_penalty": 1.1, "return_token_ids": True}
+    assert not request.is_greedy(0.0) and LoadRequest(prompt="x").is_greedy(0.0)
+    assert not LoadRequest(prompt="x", sampling={"temperature": 0.0, "n": 2}).is_greedy(0.0)
+
+
+def test_only_comparable_requests_are_compared():
+    reference = [RequestResult(0, token_ids=[1]), RequestResult(1, token_ids=[2])]
+    results = [RequestResult(0, token_ids=[1]), RequestResult(1, token_ids=[3])]
+    assert count_differences(results, reference, [True, False])["differing"] == 0
+    assert count_differences(results, reference)["differing"] == 1
 
 
 def test_memory_watch_samples_every_n_requests_and_reports_growth(monkeypatch):

@@ -81,7 +81,10 @@ def test_fixed_budget_publishes_no_budget_series_and_failures_count():
     for _ in range(3):
         step(session, proposer, [[2]])
     assert value("drafting_failures_total", labels) == 1
-    assert value("draft_tokens_total", labels, source="context") == 6
+    assert value("consecutive_drafting_failures", labels) == 1  # the last step failed
+    step(session, proposer, [[2]])
+    assert value("consecutive_drafting_failures", labels) == 0
+    assert value("draft_tokens_total", labels, source="context") == 9
     assert value("budget_steps_total", labels, decision="drafted") is None
     assert value("accepted_draft_tokens_total", labels, source="context") is None
 

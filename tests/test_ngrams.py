@@ -6,7 +6,6 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -25,7 +24,7 @@ from vllm_retrieval_spec.ngrams.table import (
 )
 from vllm_retrieval_spec.storage import write_manifest
 
-from conftest import small_ngram_table
+from conftest import fake_vllm_config, small_ngram_table
 
 
 def test_extended_bigram_follows_the_greedy_bigram():
@@ -104,11 +103,7 @@ def test_table_of_another_model_is_refused_at_engine_start(model_dir, ngram_tabl
     config = json.loads((other / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6  # a different model of the same architecture and vocabulary
     (other / "config.json").write_text(json.dumps(config))
-    vllm_config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=4),
-        model_config=SimpleNamespace(max_model_len=64, model=str(other)),
-        additional_config={"retrieval_spec": {"ngram_table": str(ngram_table_dir)}},
-    )
+    vllm_config = fake_vllm_config(max_model_len=64, options={"ngram_table": str(ngram_table_dir)}, model=str(other))
     with pytest.raises(NgramTableError, match=r"built from model 'SmolLM2.*served model is 'other-model'"):
         NGrammysProposer(vllm_config)
 
@@ -137,11 +132,7 @@ def test_deprecated_proposer_name_warns_and_is_the_ngrammys_proposer(tmp_path):
     from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer
 
     table_dir = write_tiny_table(tmp_path / "table")
-    vllm_config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=2),
-        model_config=SimpleNamespace(max_model_len=64, model="unused"),
-        additional_config={"retrieval_spec": {"ngram_table": str(table_dir)}},
-    )
+    vllm_config = fake_vllm_config(k=2, max_model_len=64, options={"ngram_table": str(table_dir)}, model="unused")
     served = ModelIdentity(**NgramTable.open(table_dir).manifest["model"])
     deprecated = r"NGramProposer is deprecated; use vllm_retrieval_spec\.NGrammysProposer"
     with mock.patch.object(ModelIdentity, "of", return_value=served), \

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,15 +10,8 @@ import pytest
 from vllm_retrieval_spec.options import OptionsError
 from vllm_retrieval_spec.proposers.prompt_lookup import PromptLookupProposer
 
+from conftest import fake_vllm_config
 from vrs_test_proposers import FailingEveryThirdStepProposer, OverlongProposer
-
-
-def fake_vllm_config(k: int = 4, max_model_len: int = 32, options: dict | None = None):
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(max_model_len=max_model_len),
-        additional_config={"retrieval_spec": options} if options is not None else {},
-    )
 
 
 def vllm_buffers(contexts: list[list[int]], max_model_len: int = 32):
@@ -61,6 +53,55 @@ def test_a_failing_step_gets_no_drafts_is_counted_and_logged_once(caplog):
     assert proposer.stats.failures == 2
     assert proposer.stats.last_error == "RuntimeError: injected drafting failure"
     assert sum("failed to draft" in record.getMessage() for record in caplog.records) == 1
+
+
+class AlwaysFailingProposer(PromptLookupProposer):
+    def draft(self, batch):
+        raise ValueError("the table says k = 0")
+
+
+def test_a_proposer_failing_every_step_warns_with_the_last_error(caplog):
+    from vllm_retrieval_spec.proposers.base import FAILING_STEPS_WARNING
+
+    proposer = AlwaysFailingProposer(fake_vllm_config())
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2]])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2 * FAILING_STEPS_WARNING):
+            assert proposer.propose([[2]], num_tokens, token_ids) == [[]]
+    warnings = [r.getMessage() for r in caplog.records if "steps all failed to draft" in r.getMessage()]
+    assert len(warnings) == 2 and "ValueError: the table says k = 0" in warnings[-1]
+    assert proposer.stats.consecutive_failures == 2 * FAILING_STEPS_WARNING
+
+
+def test_consecutive_failures_reset_when_a_step_drafts():
+    proposer = FailingEveryThirdStepProposer(fake_vllm_config())
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2]])
+    for _ in range(3):
+        proposer.propose([[2]], num_tokens, token_ids)
+    assert proposer.stats.consecutive_failures == 1
+    proposer.propose([[2]], num_tokens, token_ids)
+    assert proposer.stats.consecutive_failures == 0
+
+
+@pytest.mark.parametrize(("k", "kv_cache_dtype", "options", "message"), [
+    (129, "auto", {}, r"num_speculative_tokens must be in \[1, 128\].*got 129"),
+    (100_000, "auto", {"tree": True}, r"num_speculative_tokens must be in \[1, 128\]"),
+    (0, "auto", {}, r"num_speculative_tokens must be in \[1, 128\].*got 0"),
+    (8, "fp8", {"tree": True}, r"tree.*does not support --kv-cache-dtype fp8"),
+    (8, "fp8_e5m2", {"tree": True}, r"--kv-cache-dtype fp8_e5m2"),
+])
+def test_what_no_request_could_be_served_with_is_refused_at_construction(k, kv_cache_dtype, options, message):
+    with pytest.raises(OptionsError, match=message):
+        PromptLookupProposer(fake_vllm_config(k=k, kv_cache_dtype=kv_cache_dtype, options=options))
+
+
+def test_chains_serve_an_fp8_kv_cache_and_the_longest_drafts_vllm_verifies():
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+
+    from vllm_retrieval_spec.options import MAX_SPEC_LEN as OUR_MAX_SPEC_LEN
+
+    assert OUR_MAX_SPEC_LEN == MAX_SPEC_LEN
+    PromptLookupProposer(fake_vllm_config(k=MAX_SPEC_LEN, max_model_len=512, kv_cache_dtype="fp8"))
 
 
 def test_options_are_validated_at_construction():

@@ -15,15 +15,18 @@ import torch
 
 from vllm_retrieval_spec.drafts import DraftTree
 from vllm_retrieval_spec.kernels.attention import KVLayout, tree_attention
-from vllm_retrieval_spec.kernels.attention_reference import tree_attention_reference
+from vllm_retrieval_spec.kernels.attention_reference import node_positions, tree_attention_reference
 from vllm_retrieval_spec.kernels.tree import pack_tree_masks
 from vllm_retrieval_spec.verification.tree_attention import (
+    AttentionVariant,
     TreeAttentionError,
+    TreeKVGroup,
     TreeNodes,
     apply_tree_attention,
     check_layout,
     compact_kv,
     read_slots,
+    require_supported_attention,
 )
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
@@ -89,15 +92,16 @@ class Batch:
     def slot(self, row: int, position: int) -> int:
         return int(self.blocks[row, position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
 
-    def reference_rows(self) -> dict[int, torch.Tensor]:
-        """Dense attention of every draft node over its context, ancestors and itself."""
+    def reference_rows(self, window: int = 0) -> dict[int, torch.Tensor]:
+        """Dense attention of every draft node over its context, ancestors and itself (the
+        last ``window`` of those keys with a sliding window)."""
         expected = {}
         for tree, start, (ctx_k, ctx_v) in zip(self.trees, self.starts, self.context_kv):
             for node in range(len(tree.tokens)):
                 flat = start + 1 + node
                 seen = [start + 1 + j for j in ancestors_or_self(tree, node)]
-                k = torch.cat([ctx_k, self.key[seen].view(-1, KV_HEADS, HEAD_SIZE)])
-                v = torch.cat([ctx_v, self.value[seen].view(-1, KV_HEADS, HEAD_SIZE)])
+                k = torch.cat([ctx_k, self.key[seen].view(-1, KV_HEADS, HEAD_SIZE)])[-window:]
+                v = torch.cat([ctx_v, self.value[seen].view(-1, KV_HEADS, HEAD_SIZE)])[-window:]
                 q = self.query[flat].view(HEADS, HEAD_SIZE)
                 kv_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
                 weights = torch.einsum("hd,nhd->hn", q, k[:, kv_head]) * self.impl.scale
@@ -119,6 +123,80 @@ def test_tree_rows_match_dense_attention(layout, device):
             torch.testing.assert_close(output[flat], expected[flat], rtol=1e-5, atol=1e-5)
         else:  # roots keep what the backend computed
             assert torch.equal(output[flat], torch.full((HEADS * HEAD_SIZE,), 7.0))
+
+
+@pytest.mark.parametrize("window", [1, 3, 11])
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_sliding_window_rows_match_dense_attention_over_the_last_keys_of_each_path(layout, window):
+    """A node at depth d sits at position base + d: its window holds the last keys of its path
+    (context, ancestors, itself), however its tree branches (the variant a CPU_ATTN layer with
+    vLLM's sliding window W passes)."""
+    batch = Batch(layout)
+    output = torch.zeros(batch.num_tokens, HEADS * HEAD_SIZE)
+    nodes = TreeNodes.build(batch.plan, batch.context_lens, batch.blocks)
+    variant = AttentionVariant.of(SimpleNamespace(sliding_window=window, logits_soft_cap=0, sinks=None))
+    apply_tree_attention(batch.impl, batch.query, batch.cache, layout, output, nodes, variant)
+    for flat, expected in batch.reference_rows(window).items():
+        torch.testing.assert_close(output[flat], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_groups_compact_their_own_slots_in_a_shared_cache():
+    """vLLM's hybrid KV cache manager: a full-attention and a sliding-window group give the same
+    nodes different slots, their layers share one cache tensor; each group moves only its own."""
+    batch = Batch(KVLayout.CPU_VEC)
+    rows = batch.plan.node_rows()
+    groups = []
+    for first_block in (20, 30):  # each group's blocks, one pool: never the same block ids
+        table = torch.arange(first_block, first_block + 8, dtype=torch.int32).repeat(2, 1)
+        slot_mapping = torch.arange(batch.num_tokens) + first_block * BLOCK_SIZE
+        metadata = SimpleNamespace(slot_mapping=slot_mapping, block_table=table)
+        group = TreeKVGroup.build(batch.plan, batch.context_lens, metadata)
+        assert torch.equal(group.slots, slot_mapping[torch.from_numpy(rows)])
+        group.add_cache(batch.cache)
+        group.add_cache(batch.cache.view_as(batch.cache))  # another layer on the same tensor
+        groups.append(group)
+    assert len(groups[0].caches) == 1
+    batch.cache.view(-1)[:] = torch.arange(batch.cache.numel(), dtype=batch.cache.dtype)
+    before = batch.cache.clone()
+    moves = torch.tensor([[3, 1]])  # node 3 of request 0 moves to the slot of node 1
+    groups[0].compact(HEAD_SIZE, KVLayout.CPU_VEC, moves)
+    source, destination = groups[0].slots[3], groups[0].slots[1]
+    after_k, _ = read_slots(batch.cache, HEAD_SIZE, KVLayout.CPU_VEC, torch.stack([source, destination]))
+    assert torch.equal(after_k[1], after_k[0])
+    changed = (batch.cache != before).nonzero()[:, 0].unique()
+    assert changed.tolist() == [int(destination) // BLOCK_SIZE]  # one block of group 0, none of group 1
+
+
+@pytest.mark.parametrize(("impl", "expected"), [
+    ({"sliding_window": 512, "logits_soft_cap": 0}, (512, 0.0)),  # CPU_ATTN: vLLM's window W
+    ({"sliding_window": -1, "logits_soft_cap": 0}, (0, 0.0)),
+    ({"sliding_window": (511, 0), "logits_soft_cap": 50.0}, (512, 50.0)),  # FLASH_ATTN / TRITON_ATTN: (W - 1, 0)
+    ({"sliding_window": (-1, -1), "logits_soft_cap": None}, (0, 0.0)),
+])
+def test_attention_variant_of_each_backend(impl, expected):
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
+    variant = AttentionVariant.of(SimpleNamespace(**impl, sinks=sinks))
+    assert (variant.window, variant.softcap) == expected
+    assert variant.sinks.dtype == torch.float32 and torch.equal(variant.sinks, sinks.float())
+    assert AttentionVariant.of(SimpleNamespace(**impl)).sinks is None
+
+
+@pytest.mark.parametrize(("impl", "message"), [
+    ({"alibi_slopes": torch.ones(4)}, "ALiBi"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, r"quantized KV cache \(kv_cache_dtype 'fp8_e4m3'\)"),
+    ({"sliding_window": (63, 63)}, "bidirectional"),
+])
+def test_unsupported_attention_is_refused_in_one_line(impl, message):
+    with pytest.raises(TreeAttentionError, match=message + r".*run without retrieval_spec\.tree") as refused:
+        require_supported_attention(SimpleNamespace(**impl))
+    assert "\n" not in str(refused.value)
+
+
+def test_gemma_gpt_oss_and_mistral_attention_is_supported():
+    for impl in ({"sliding_window": 512, "logits_soft_cap": 50.0, "kv_cache_dtype": "auto"},
+                 {"sliding_window": (127, 0), "sinks": torch.zeros(8), "kv_cache_dtype": "bfloat16"},
+                 {"sliding_window": (4095, 0), "alibi_slopes": None}):
+        require_supported_attention(SimpleNamespace(**impl))
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -194,6 +272,53 @@ def test_kernel_matches_reference_on_random_trees(layout, dtype, device):
         untouched = torch.ones(len(out), dtype=torch.bool)
         untouched[rows] = False
         assert bool((got[untouched] == 7.0).all())
+
+
+def attention_options(rng: np.random.Generator, heads: int, device: str) -> dict:
+    """A random sliding window (often narrower than the context, sometimes a single key), a
+    soft-cap and attention sinks, each present about half of the time."""
+    window = int(rng.choice([0, 1, 2, int(rng.integers(3, 80))]))
+    softcap = float(rng.choice([0.0, 0.5, 30.0]))
+    sinks = torch.from_numpy(rng.normal(0.0, 2.0, heads).astype(np.float32)).to(device) if rng.random() < 0.5 else None
+    return {"window": window, "softcap": softcap, "sinks": sinks}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_kernel_matches_reference_with_window_softcap_and_sinks(layout, dtype, device):
+    """Gemma 2/3, Mistral and gpt-oss attention: each node keeps the last ``window`` keys of its
+    path (context, ancestors, itself), scores are soft-capped, sinks join each softmax."""
+    rng = np.random.default_rng(11)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(30):
+        inputs = random_tree_batch(rng, layout, dtype, device)
+        options = attention_options(rng, inputs["heads"], device)
+        out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device=device)
+        tree_attention(layout=layout, out=out, **inputs, **options)
+        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
+                for name, value in {**inputs, **options}.items()}
+        expected = tree_attention_reference(layout=layout, **host)
+        got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
+        torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_window_wider_than_every_path_changes_nothing():
+    inputs = random_tree_batch(np.random.default_rng(5), KVLayout.CPU_VEC, torch.float32, "cpu")
+    plain, windowed = (torch.zeros(inputs["query"].shape) for _ in range(2))
+    tree_attention(layout=KVLayout.CPU_VEC, out=plain, **inputs)
+    tree_attention(layout=KVLayout.CPU_VEC, out=windowed, window=1000, **inputs)
+    assert torch.equal(plain, windowed)
+
+
+def test_reference_window_keeps_the_last_keys_of_the_path():
+    """Node 4 of the tree 0 <- 2 <- 4 (and the siblings 1, 3) after 5 context tokens: its path is
+    the context, then 0, 2 and 4 at cache positions 5, 7 and 9."""
+    row = torch.from_numpy(pack_tree_masks(np.array([-1, -1, 0, 1, 2], np.int32), np.array([0, 5], np.int32),
+                                           5).ancestor_mask[4])
+    assert node_positions(5, 4, row) == [0, 1, 2, 3, 4, 5, 7, 9]
+    assert node_positions(5, 4, row, window=4) == [4, 5, 7, 9]
+    assert node_positions(5, 4, row, window=2) == [7, 9]
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))

@@ -24,6 +24,8 @@ _PROPOSERS = {
     "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",  # deprecated alias of NGrammysProposer
 }
 
+PROPOSER_NAMES = tuple(_PROPOSERS)  # addressed as vllm_retrieval_spec.<name> in --speculative-config
+
 __all__ = ["__version__", "register", *_PROPOSERS]
 
 

@@ -27,6 +27,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vllm_retrieval_spec import PROPOSER_NAMES
+from vllm_retrieval_spec.validation import require_ints
+
 if TYPE_CHECKING:
     from vllm_retrieval_spec.options import RetrievalSpecOptions
 
@@ -36,6 +39,7 @@ EXIT_BAD_INPUT = 2  # as argparse's usage errors
 REST_PROPOSERS = ("vllm_retrieval_spec.RestProposer",)
 NGRAMMYS_PROPOSERS = ("vllm_retrieval_spec.NGrammysProposer", "vllm_retrieval_spec.NGramProposer")
 DRESD_PROPOSERS = ("vllm_retrieval_spec.DReSDProposer",)
+EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 8}\''
 
 
 class CommandLineError(ValueError):
@@ -55,7 +59,11 @@ def check_serve(vllm_args: Sequence[str]) -> None:
     from vllm_retrieval_spec.compat import configure_vllm_environment, require_supported_vllm
 
     configure_vllm_environment(in_process=False)
-    _check_artifacts_early(vllm_args, _validate_options_early(vllm_args))
+    options = _validate_options_early(vllm_args)
+    speculative = _speculative_config(vllm_args)  # an unknown proposer is named before anything else
+    _check_engine_early(vllm_args, options)
+    _check_draft_count(speculative)
+    _check_artifacts_early(vllm_args, options)
     _prepare_vllm_process()
     require_supported_vllm()
 
@@ -87,11 +95,25 @@ def _validate_options_early(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
     return RetrievalSpecOptions.from_additional_config(_json_flag(vllm_args, "--additional-config"))
 
 
-def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptions) -> None:
-    """Open the datastore or n-gram table that the proposer of ``--speculative-config`` will
-    open, resolved the same way, so that a missing or corrupt one fails now, naming its path."""
+def _check_engine_early(vllm_args: Sequence[str], options: RetrievalSpecOptions) -> None:
+    """Refuse a ``num_speculative_tokens`` or KV cache type our proposer cannot serve (the
+    engine's own check runs again when the proposer is built)."""
     speculative = _json_flag(vllm_args, "--speculative-config")
-    proposer = speculative.get("model") if isinstance(speculative, dict) else None
+    if not isinstance(speculative, dict) or not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
+        return
+    count = speculative.get("num_speculative_tokens")
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise CommandLineError(
+            f"--speculative-config needs an integer num_speculative_tokens for {speculative['model']}, got {count!r}"
+        )
+    options.check_engine(count, _flag_value(vllm_args, "--kv-cache-dtype") or "auto")
+
+
+def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptions) -> None:
+    """Check ``--speculative-config`` (:func:`_speculative_config`), then open the datastore or
+    n-gram table that its proposer will open, resolved the same way, so that a missing or corrupt
+    one fails now, naming its path."""
+    proposer = _speculative_config(vllm_args).get("model")
     model = _flag_value(vllm_args, "--model") or next(iter(vllm_args[:1]), None)
     if model is None or model.startswith("-"):
         return
@@ -107,6 +129,56 @@ def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptio
         from vllm_retrieval_spec.datastores.dense import open_dense_datastore_for_model
 
         open_dense_datastore_for_model(options.dense_datastore, model)
+
+
+def _speculative_config(vllm_args: Sequence[str]) -> dict[str, Any]:
+    """``--speculative-config`` ({} without it), refused now when the engine would refuse it
+    later: not a JSON object, or a proposer class that does not exist."""
+    config = _json_flag(vllm_args, "--speculative-config")
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise CommandLineError(f"--speculative-config must be a JSON object such as {EXAMPLE_SPECULATIVE_CONFIG}, "
+                               f"got {config!r}")
+    _check_proposer_class(config.get("model"), config.get("method"))
+    return config
+
+
+def _check_draft_count(speculative: dict[str, Any]) -> None:
+    """Any proposer's ``num_speculative_tokens``, when given, is a positive integer (vLLM's own
+    check is a traceback from the engine's config)."""
+    if speculative.get("num_speculative_tokens") is not None:
+        require_ints({"--speculative-config num_speculative_tokens": (speculative["num_speculative_tokens"], 1, None)},
+                     CommandLineError)
+
+
+def _check_proposer_class(model: Any, method: Any) -> None:
+    """A ``custom_class`` proposer path must name one of our proposers, or a module that exists
+    (not imported here: it may import vLLM)."""
+    if method not in (None, "custom_class"):
+        return
+    dotted = isinstance(model, str) and "." in model and all(part.isidentifier() for part in model.split("."))
+    if not dotted:
+        if method == "custom_class":
+            raise CommandLineError(f"--speculative-config: method custom_class needs a 'model' such as "
+                                   f"'vllm_retrieval_spec.RestProposer', got {model!r}")
+        return  # a draft model, for vLLM to check
+    module, name = model.rsplit(".", 1)
+    if module == "vllm_retrieval_spec" and name not in PROPOSER_NAMES:
+        raise CommandLineError(f"--speculative-config: {model!r} is no proposer of this package; use one of "
+                               f"{', '.join(f'{module}.{known}' for known in PROPOSER_NAMES)}")
+    if module != "vllm_retrieval_spec" and not _module_exists(module):
+        raise CommandLineError(f"--speculative-config: proposer {model!r} names module {module!r}, which is not "
+                               "installed or not on the Python path")
+
+
+def _module_exists(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -155,10 +227,11 @@ def _datastore_build(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores.recipes import load_recipe, recipe_store_dir
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
     from vllm_retrieval_spec.datastores.sources import InputSpec
-    from vllm_retrieval_spec.storage import check_build_target
+    from vllm_retrieval_spec.storage import TOKENIZER_FILES, check_build_target, local_model_dir
 
     if bool(args.recipe) == bool(args.input):
         raise CommandLineError("datastore build: give either --recipe NAME or --input PATH ...")
+    local_model_dir(args.tokenizer, "--tokenizer", TOKENIZER_FILES)
     extra = {}
     if args.recipe:
         recipe = load_recipe(args.recipe)
@@ -199,7 +272,7 @@ def _datastore_inspect(args: argparse.Namespace) -> None:
     else:
         store = TokenDatastore.open(args.path)
         print(store.describe())
-        print("  quick checks: ok (document separators, sampled suffix order)")
+        print("  quick checks: ok (separators, suffix array a permutation, first-token buckets, sampled suffix order)")
     if args.full:
         store.check_fully()
         print("  checksums: ok")

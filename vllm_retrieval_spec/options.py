@@ -11,8 +11,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_retrieval_spec.validation import has_type, require_ints
+
 OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
+MAX_SPEC_LEN = 128  # vLLM's rejection sampler asserts at most this many drafts a request (vllm.v1.sample)
 BUDGET_POLICIES = ("auto", "fixed")
 CANDIDATE_RULES = ("deterministic", "sampled")
 # Renamed options, old name -> new name: the old names are rejected with a message naming the new.
@@ -33,10 +36,7 @@ Validator = Callable[[str, Any], Any]
 
 def _int_in(low: int, high: int) -> Validator:
     def validate(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise OptionsError(
-                f"{OPTIONS_KEY}.{key} must be an integer in [{low}, {high}], got {value!r}"
-            )
+        require_ints({f"{OPTIONS_KEY}.{key}": (value, low, high)}, OptionsError)
         return value
 
     return validate
@@ -44,7 +44,7 @@ def _int_in(low: int, high: int) -> Validator:
 
 def _float_in(low: float, high: float) -> Validator:
     def validate(key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        if not has_type(value, (int, float)) or not low <= value <= high:
             raise OptionsError(f"{OPTIONS_KEY}.{key} must be a number in [{low}, {high}], got {value!r}")
         return float(value)
 
@@ -141,6 +141,15 @@ class RetrievalSpecOptions:
         10_000_000, _int_in(1024, 2**31 - 2),
         "REST: tokens the output index keeps (oldest requests evicted first; about 8 bytes per token, twice "
         "while it is rebuilt)",
+    )
+    output_index_path: str = _option(
+        "", _string,
+        "REST: directory where the output index is saved (every output_index_save_seconds and at shutdown) and "
+        "loaded from at start, so a restarted server keeps what it learned; data-parallel engine i > 0 uses "
+        "PATH.dp<i> (empty: not saved)",
+    )
+    output_index_save_seconds: int = _option(
+        300, _int_in(1, 86_400), "REST: seconds between two saves of the output index (only when it changed)"
     )
     output_weight: float = _option(
         4.0, _float_in(0.0, 1e6), "REST: weight of one output-index continuation (a datastore one weighs 1)"
@@ -256,6 +265,20 @@ class RetrievalSpecOptions:
                 f"additional_config['{OPTIONS_KEY}']"
             )
         return cls.from_dict(config.get(OPTIONS_KEY))
+
+    def check_engine(self, num_speculative_tokens: int, kv_cache_dtype: str = "auto") -> None:
+        """Refuse, before any engine serves, what these options cannot serve with the engine's
+        ``num_speculative_tokens`` and KV cache type (a request would otherwise kill it)."""
+        if not 1 <= num_speculative_tokens <= MAX_SPEC_LEN:
+            raise OptionsError(
+                f"num_speculative_tokens must be in [1, {MAX_SPEC_LEN}] (vLLM verifies at most {MAX_SPEC_LEN} "
+                f"draft tokens per request), got {num_speculative_tokens}; set it in --speculative-config"
+            )
+        if self.tree and str(kv_cache_dtype).startswith("fp8"):
+            raise OptionsError(
+                f"{OPTIONS_KEY}.tree (tree verification) reads keys and values in the model's dtype and does not "
+                f"support --kv-cache-dtype {kv_cache_dtype}; use --kv-cache-dtype auto or chain mode (tree: false)"
+            )
 
     @classmethod
     def describe(cls) -> str:

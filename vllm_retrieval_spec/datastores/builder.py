@@ -26,7 +26,13 @@ from vllm_retrieval_spec.datastores.format import (
     token_dtype_for,
 )
 from vllm_retrieval_spec.datastores.sources import ChatRenderer, DocumentStream, InputSpec
-from vllm_retrieval_spec.storage import atomic_directory, check_build_target, file_records
+from vllm_retrieval_spec.storage import (
+    TOKENIZER_FILES,
+    atomic_directory,
+    check_build_target,
+    file_records,
+    local_model_dir,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -66,11 +72,11 @@ class BuildReport:
                 f"{self.sort_seconds:.1f} s), {self.bytes_per_token:.2f} bytes/token")
 
 
-def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerFast:
-    """The fast tokenizer of a model directory."""
+def load_tokenizer(tokenizer_dir: str | Path, flag: str = "--tokenizer") -> PreTrainedTokenizerFast:
+    """The fast tokenizer of a local model directory (``flag`` names it in errors)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(local_model_dir(tokenizer_dir, flag, TOKENIZER_FILES)))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{tokenizer_dir}: datastores need a fast (Rust) tokenizer")
     return tokenizer

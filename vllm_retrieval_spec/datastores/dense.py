@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.datastores.background_check import VerifiedInBackground
 from vllm_retrieval_spec.datastores.dense_format import (
     COMPONENTS,
     DENSE_DATASTORE,
@@ -57,8 +58,12 @@ class DenseTransform:
 
 
 @dataclass
-class DenseDatastore:
-    """Keys in a FAISS inner-product index, next-token values ``[positions, N]`` memory-mapped."""
+class DenseDatastore(VerifiedInBackground):
+    """Keys in a FAISS inner-product index, next-token values ``[positions, N]`` memory-mapped;
+    ``usable`` until a checksum verified in the background fails (searches then find nothing)."""
+
+    noun = "dense datastore"
+    drafter = "DReSD"
 
     path: Path
     manifest: DenseManifest
@@ -138,20 +143,25 @@ class DenseDatastore:
     def search(self, hidden_states: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` nearest stored positions of each hidden state ``[B, H]`` (cosine of the keys),
         in one FAISS call: scores ``[B, k]`` float32 (best first) and value rows ``[B, k, N]``
-        int32. Slots without a neighbour (an IVF probe found fewer than ``k``) score
-        :data:`MISSING_SCORE` with values -1."""
+        int32. Slots without a neighbour (an IVF probe found fewer than ``k``, or the store is
+        no longer ``usable``) score :data:`MISSING_SCORE` with values -1."""
         states = np.asarray(hidden_states)
         if states.ndim != 2 or states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [batch, {self.hidden_size}], got {list(states.shape)}")
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        if not self.usable:
+            return self._nothing_found(len(states), k)
         scores, labels = self.search_keys(self.transform.apply(states), k)
-        found = labels >= 0
+        found = (labels >= 0) & (labels < self.num_positions)  # a damaged index may hold any label
         values = np.asarray(self.values[np.where(found, labels, 0)])
         if not found.all():
             values[~found] = -1
             scores[~found] = MISSING_SCORE
         return scores, values
+
+    def _nothing_found(self, batch: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.full((batch, k), MISSING_SCORE, np.float32), np.full((batch, k, self.value_tokens), -1, np.int32)
 
     def search_keys(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's search with ``num_threads`` OpenMP threads, the caller's setting restored after
@@ -216,17 +226,28 @@ def _read_index(path: Path, manifest: DenseManifest) -> Any:
 
     if not path.is_file():
         raise DENSE_DATASTORE.fail(f"{path} is missing")
+    _verify_index_checksum(path, manifest)
     in_place = getattr(faiss, "IO_FLAG_MMAP_IFC", None)
     flags = in_place if in_place is not None else (0 if manifest.index.type == "flat" else faiss.IO_FLAG_MMAP)
     try:
         index = faiss.read_index(str(path), flags)
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
         reason = " ".join(str(error).split()) or type(error).__name__
         raise DENSE_DATASTORE.fail(f"{path} cannot be read by FAISS ({reason})") from error
     _check_index(path, index, manifest)
     if manifest.index.nprobe is not None:
         index.nprobe = manifest.index.nprobe
     return index
+
+
+def _verify_index_checksum(path: Path, manifest: DenseManifest) -> None:
+    """FAISS trusts the file it parses (a damaged size can make it allocate without bound), so
+    the index's sha256 is checked against the manifest first (~0.3 s for 500 MB)."""
+    record = manifest.files.get(INDEX)
+    if record is None:
+        raise DENSE_DATASTORE.fail(f"{path.parent / 'manifest.json'} is corrupt (it records no checksum of {INDEX}, "
+                                   "which is read only once verified)")
+    verify_file_records(path.parent, {INDEX: record}, DENSE_DATASTORE)
 
 
 def _check_index(path: Path, index: Any, manifest: DenseManifest) -> None:

@@ -39,6 +39,7 @@ from vllm_retrieval_spec.datastores.dense_index import (
 from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
 from vllm_retrieval_spec.ngrams.table import ModelIdentity
 from vllm_retrieval_spec.storage import atomic_directory, check_build_target, file_records
+from vllm_retrieval_spec.validation import require_ints
 
 if TYPE_CHECKING:
     import torch
@@ -80,14 +81,8 @@ class DenseBuildOptions:
         """Fail with the flag's name on a value that cannot work."""
         minimum = {"value_tokens": 1, "stride": 1, "dim": 1, "fit_sample": 1, "window": 2, "overlap": 0,
                    "batch_tokens": 1, "document_stride": 1, "flat_max": 0, "index_memory": 1}
-        for name, low in minimum.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-        for name in ("nlist", "nprobe"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+        minimum.update({name: 1 for name in ("nlist", "nprobe") if getattr(self, name) is not None})  # None: auto
+        require_ints({f"--{name.replace('_', '-')}": (getattr(self, name), low, None) for name, low in minimum.items()})
         if self.overlap >= self.window:
             raise ValueError(f"--overlap ({self.overlap}) must be below --window ({self.window})")
         if self.dim > self.fit_sample:
@@ -180,7 +175,7 @@ def build_dense_datastore(
     options.check()
     check_build_target(out_dir, replace, DENSE_DATASTORE)  # before minutes of work
     start = time.perf_counter()
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, "--model")
     identity = ModelIdentity.of(model_dir)
     stream = DocumentStream(inputs, _chat_renderer(tokenizer))
     corpus = tokenize_corpus(tokenizer, stream, options.document_stride, progress)
@@ -189,6 +184,8 @@ def build_dense_datastore(
         raise ValueError(f"the inputs give {windows.num_positions} position(s) with {options.value_tokens} "
                          f"following tokens in their document, fewer than --dim {options.dim}; give more text")
     model = load_target_model(model_dir)
+    if options.dim > model.config.hidden_size:
+        raise ValueError(f"--dim ({options.dim}) cannot exceed the model's hidden size ({model.config.hidden_size})")
     with atomic_directory(out_dir, replace=replace, kind=DENSE_DATASTORE) as tmp:
         write_values(corpus, windows, options.value_tokens, tmp / VALUES)
         forward_start = time.perf_counter()

@@ -26,7 +26,14 @@ from typing import Any
 from vllm_retrieval_spec.datastores.format import DatastoreError
 from vllm_retrieval_spec.ngrams.table import ModelIdentity
 from vllm_retrieval_spec.paths import cache_root
-from vllm_retrieval_spec.storage import ArtifactKind, manifest_record, read_manifest, write_manifest
+from vllm_retrieval_spec.storage import (
+    MAX_VOCAB_SIZE,
+    ArtifactKind,
+    check_manifest_ints,
+    manifest_record,
+    read_manifest,
+    write_manifest,
+)
 
 DENSE_FORMAT_VERSION = 1
 VALUES = "values.bin"
@@ -34,7 +41,14 @@ MEAN = "mean.bin"
 STD = "std.bin"
 COMPONENTS = "components.bin"
 INDEX = "index.faiss"
-INDEX_TYPES = ("flat", "ivf_flat", "ivf_pq")
+_INDEX_PARAMETERS = {  # index type -> (the parameters it needs, those it may also record)
+    "flat": ((), ()),
+    "ivf_flat": (("nlist", "nprobe"), ("train_size",)),
+    "ivf_pq": (("nlist", "nprobe", "pq_m", "pq_bits"), ("train_size",)),
+}
+INDEX_TYPES = tuple(_INDEX_PARAMETERS)
+INDEX_METRIC = "inner_product"
+MAX_PQ_BITS = 16
 BUILD_DENSE = "`vllm-retrieval-spec datastore build-dense --model MODEL_DIR --input ... --out DIR`"
 
 
@@ -52,6 +66,7 @@ DENSE_DATASTORE = ArtifactKind(
               "index": dict, "transform": dict, "bytes_per_position": (int, float), "files": dict,
               "build": dict},
     dtypes={"value_dtype": ("int32",), "transform_dtype": ("float32",)},
+    data_files=(VALUES, MEAN, STD, COMPONENTS, INDEX),
 )
 
 
@@ -61,7 +76,7 @@ class IndexSpec:
     (IVF), ``pq_m``/``pq_bits`` (IVF-PQ) and the number of keys trained on, else None."""
 
     type: str
-    metric: str = "inner_product"
+    metric: str = INDEX_METRIC
     nlist: int | None = None
     nprobe: int | None = None
     pq_m: int | None = None
@@ -75,6 +90,33 @@ class IndexSpec:
         if self.pq_m is not None:
             parts.append(f"PQ {self.pq_m}x{self.pq_bits} bits")
         return ", ".join(parts)
+
+    def parameters(self) -> dict[str, int | None]:
+        """The numeric parameters, by name."""
+        return {"nlist": self.nlist, "nprobe": self.nprobe, "pq_m": self.pq_m, "pq_bits": self.pq_bits,
+                "train_size": self.train_size}
+
+    def problem(self) -> str | None:
+        """Why this spec describes no index we read (None: it does): an unknown type or metric, or
+        a parameter its type needs and lacks, or does not take."""
+        if self.type not in INDEX_TYPES:
+            return f"index type {self.type!r} is not one of {', '.join(INDEX_TYPES)}"
+        if self.metric != INDEX_METRIC:
+            return f"index metric {self.metric!r} is not {INDEX_METRIC!r}"
+        needs, may = _INDEX_PARAMETERS[self.type]
+        for name, value in self.parameters().items():
+            if value is None and name in needs:
+                return f"index type {self.type!r} needs 'index.{name}'"
+            if value is not None and name not in (*needs, *may):
+                return f"index type {self.type!r} takes no 'index.{name}', which is {value!r}"
+        return None
+
+    def bounds(self, dim: int) -> dict[str, tuple[int | None, int, int | None]]:
+        """The ranges of the parameters this spec sets."""
+        limits = {"nlist": (1, None), "nprobe": (1, self.nlist), "pq_m": (1, dim), "pq_bits": (1, MAX_PQ_BITS),
+                  "train_size": (1, None)}
+        return {f"index.{name}": (value, *limits[name]) for name, value in self.parameters().items()
+                if value is not None}
 
 
 @dataclass(frozen=True)
@@ -102,25 +144,26 @@ class DenseManifest:
     def read(cls, directory: Path) -> DenseManifest:
         """The validated manifest of the dense datastore in ``directory``."""
         raw = read_manifest(directory, DENSE_DATASTORE)
-        model = manifest_record(directory, ModelIdentity, raw["model"], DENSE_DATASTORE)
-        index = manifest_record(directory, IndexSpec, raw["index"], DENSE_DATASTORE)
+        model = manifest_record(directory, ModelIdentity, raw["model"], DENSE_DATASTORE, "model")
+        index = manifest_record(directory, IndexSpec, raw["index"], DENSE_DATASTORE, "index")
         manifest = manifest_record(directory, cls, raw | {"model": model, "index": index}, DENSE_DATASTORE)
         manifest.check(Path(directory))
         return manifest
 
     def check(self, directory: Path) -> None:
-        """Values the reader relies on: positive sizes, a known index type, dim <= hidden size."""
-        where = directory / "manifest.json"
-        sizes = {"num_positions": self.num_positions, "value_tokens": self.value_tokens,
-                 "hidden_size": self.hidden_size, "dim": self.dim}
-        for key, value in sizes.items():
-            if value < 1:
-                raise DENSE_DATASTORE.fail(f"{where} is corrupt ({key!r} is {value})")
-        if self.dim > self.hidden_size:
-            raise DENSE_DATASTORE.fail(f"{where} is corrupt (dim {self.dim} > hidden size {self.hidden_size})")
-        if self.index.type not in INDEX_TYPES:
-            raise DENSE_DATASTORE.fail(f"{where}: index type {self.index.type!r} is not one of "
-                                       f"{', '.join(INDEX_TYPES)}")
+        """Values the reader relies on: positive sizes, dim <= hidden size, a vocabulary, and an
+        index spec that fits its type."""
+        check_manifest_ints(directory, DENSE_DATASTORE, {
+            "num_positions": (self.num_positions, 1, None),
+            "value_tokens": (self.value_tokens, 1, None),
+            "hidden_size": (self.hidden_size, 1, None),
+            "dim": (self.dim, 1, self.hidden_size),
+            "model.vocab_size": (self.model.vocab_size, 1, MAX_VOCAB_SIZE),
+        })
+        problem = self.index.problem()
+        if problem is not None:
+            raise DENSE_DATASTORE.corrupt(directory, problem)
+        check_manifest_ints(directory, DENSE_DATASTORE, self.index.bounds(self.dim))
 
 
 def is_dense_datastore(directory: str | Path) -> bool:

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm_retrieval_spec.storage import (
+    MAX_VOCAB_SIZE,
     ArtifactKind,
     StorageError,
+    check_manifest_ints,
     manifest_record,
     read_manifest,
     write_manifest,
@@ -52,6 +54,7 @@ DATASTORE = ArtifactKind(
     required={"num_tokens": int, "num_documents": int, "separator": int, "tokenizer": dict, "files": dict,
               "build": dict},
     dtypes={"token_dtype": TOKEN_DTYPES, "suffix_array_dtype": SUFFIX_ARRAY_DTYPES},
+    data_files=(TOKENS, SUFFIX_ARRAY),
 )
 
 
@@ -116,5 +119,18 @@ class Manifest:
     def read(cls, directory: Path) -> Manifest:
         """The validated manifest of the datastore in ``directory``."""
         raw = read_manifest(directory, DATASTORE)
-        tokenizer = manifest_record(directory, TokenizerIdentity, raw["tokenizer"], DATASTORE)
-        return manifest_record(directory, cls, raw | {"tokenizer": tokenizer}, DATASTORE)
+        tokenizer = manifest_record(directory, TokenizerIdentity, raw["tokenizer"], DATASTORE, "tokenizer")
+        manifest = manifest_record(directory, cls, raw | {"tokenizer": tokenizer}, DATASTORE)
+        manifest.check(Path(directory))
+        return manifest
+
+    def check(self, directory: Path) -> None:
+        """Values the reader relies on: counts >= 0, the token dtype's separator, and a vocabulary
+        whose ids lie below it."""
+        separator = separator_for(np.dtype(self.token_dtype))
+        check_manifest_ints(directory, DATASTORE, {
+            "num_tokens": (self.num_tokens, 0, None),
+            "num_documents": (self.num_documents, 0, self.num_tokens),
+            "separator": (self.separator, separator, separator),
+            "tokenizer.vocab_size": (self.tokenizer.vocab_size, 1, min(separator, MAX_VOCAB_SIZE)),
+        })

@@ -299,10 +299,14 @@ def run_from_server(args: argparse.Namespace) -> None:
     """Collect the answers, then build the store(s) from the transcripts."""
     from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE
     from vllm_retrieval_spec.datastores.format import DATASTORE
-    from vllm_retrieval_spec.storage import check_build_target
+    from vllm_retrieval_spec.storage import MODEL_FILES, TOKENIZER_FILES, check_build_target, local_model_dir
+    from vllm_retrieval_spec.validation import require_ints
 
-    if args.concurrency < 1 or args.max_tokens < 1 or args.retries < 0:
-        raise ValueError("datastore from-server: --concurrency and --max-tokens must be >= 1, --retries >= 0")
+    require_ints({"--concurrency": (args.concurrency, 1, None), "--max-tokens": (args.max_tokens, 1, None),
+                  "--retries": (args.retries, 0, None)})
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    local_model_dir(args.model, "--model", MODEL_FILES if args.dense else TOKENIZER_FILES)
     plan = FromServerPlan(args.out, args.transcripts or args.out.with_name(f"{args.out.name}.transcripts.jsonl"),
                           (args.dense_out or args.out.with_name(f"{args.out.name}-dense")) if args.dense else None)
     records = read_prompt_file(args.prompts)

@@ -7,21 +7,31 @@ background thread once the tokens added since the last build reach ``rebuild_fra
 the indexed ones (at least one sequence), so the index follows the traffic at an amortised
 cost of a few sorted tokens per generated token; searches use the last complete build.
 Memory stays under two builds of ``capacity_tokens`` (8 bytes per token each) plus the kept
-sequences themselves.
+sequences themselves. :meth:`OutputIndex.save` and :meth:`OutputIndex.load` keep the sequences
+on disk across restarts (``datastores/output_snapshot.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm_retrieval_spec.kernels.extension import load_extension
 
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.datastores.format import TokenizerIdentity
+
 SEPARATOR = np.iinfo(np.uint32).max
 BYTES_PER_INDEXED_TOKEN = 8  # uint32 token + int32 suffix-array entry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +40,7 @@ class OutputIndexStats:
 
     sequences_added: int = 0
     sequences_evicted: int = 0
+    sequences_loaded: int = 0  # from the snapshot read at start
     builds: int = 0
     indexed_tokens: int = 0  # in the build searches use now
 
@@ -58,14 +69,58 @@ class OutputIndex:
         if len(sequence) == 0:
             return
         with self._lock:
-            self._sequences.append(sequence)
-            self._kept_tokens += len(sequence) + 1
+            self._keep(sequence)
             self._pending_tokens += len(sequence) + 1
             self.stats.sequences_added += 1
-            while self._kept_tokens > self.capacity_tokens:
-                self._kept_tokens -= len(self._sequences.popleft()) + 1
-                self.stats.sequences_evicted += 1
         self._maybe_rebuild()
+
+    def kept_sequences(self) -> list[np.ndarray]:
+        """The kept sequences, oldest first (what a snapshot saves)."""
+        with self._lock:
+            return list(self._sequences)
+
+    def restore(self, sequences: Iterable[np.ndarray]) -> None:
+        """Start over from ``sequences`` (oldest first; the newest that fit are kept, a long one
+        keeps its end) and build the index at once, so that the first request can use it."""
+        self.wait()
+        with self._lock:
+            self._sequences.clear()
+            self._kept_tokens = self._pending_tokens = 0
+            for sequence in sequences:
+                self._keep(np.asarray(sequence, dtype=np.uint32)[-(self.capacity_tokens - 1):])
+            kept = list(self._sequences)
+            self.stats.sequences_loaded = len(kept)
+        if kept:
+            self._build(kept)
+
+    def save(self, path: str | Path, tokenizer: TokenizerIdentity) -> Path:
+        """Save the kept sequences as a new snapshot under ``path`` (atomically, at most
+        ``capacity_tokens`` uint32 tokens); returns the snapshot's directory."""
+        from vllm_retrieval_spec.datastores.output_snapshot import write_snapshot
+
+        return write_snapshot(Path(path), self.kept_sequences(), tokenizer, self.capacity_tokens)
+
+    def load(self, path: str | Path, tokenizer: TokenizerIdentity) -> bool:
+        """Restore the newest snapshot under ``path``; True when one was loaded. None there yet
+        leaves the index as it is; a snapshot that is corrupt, truncated, of another format or
+        of another tokenizer logs one error naming the file and the fix and leaves it as it is
+        too (never raises: serving goes on without it)."""
+        from vllm_retrieval_spec.datastores.output_snapshot import read_snapshot
+
+        try:
+            sequences = read_snapshot(Path(path), tokenizer)
+        except Exception as error:  # whatever is wrong with the file, the engine must still start
+            logger.error("vllm_retrieval_spec: output index snapshot under %s refused: %s (the server does so "
+                         "itself: it serves on with an empty output index and the next save replaces the snapshot; "
+                         "move %s away first to keep it)", path, error, path)
+            return False
+        if sequences is None:
+            logger.info("vllm_retrieval_spec: no output index snapshot in %s yet; starting empty", path)
+            return False
+        self.restore(sequences)
+        logger.info("vllm_retrieval_spec: output index loaded from %s: %d requests, %d tokens", path,
+                    self.stats.sequences_loaded, self.stats.indexed_tokens)
+        return True
 
     @property
     def native(self) -> object | None:
@@ -87,6 +142,14 @@ class OutputIndex:
         """Bytes held: the kept sequences and the current build."""
         kept = sum(s.nbytes for s in self._sequences)
         return kept + self.stats.indexed_tokens * BYTES_PER_INDEXED_TOKEN
+
+    def _keep(self, sequence: np.ndarray) -> None:
+        """Append ``sequence`` and evict the oldest over the capacity (under the lock)."""
+        self._sequences.append(sequence)
+        self._kept_tokens += len(sequence) + 1
+        while self._kept_tokens > self.capacity_tokens:
+            self._kept_tokens -= len(self._sequences.popleft()) + 1
+            self.stats.sequences_evicted += 1
 
     def _maybe_rebuild(self) -> None:
         with self._lock:

@@ -90,7 +90,7 @@ class DocumentStream:
             found = True
             yield document
         if not found:
-            raise DatastoreError(_nothing_to_read(spec.path, self.files_seen - seen, self.files_skipped - skipped))
+            raise DatastoreError(_nothing_to_read(spec, self.files_seen - seen, self.files_skipped - skipped))
 
     def _documents_of(self, spec: InputSpec) -> Iterator[str]:
         path = spec.path
@@ -191,12 +191,26 @@ def _named_errors(path: Path, what: str) -> Iterator[None]:
         ) from error
 
 
-def _nothing_to_read(path: Path, files: int, skipped: int) -> str:
-    if files == 0:
-        problem = "no file matches its --include/--exclude globs"
+def _nothing_to_read(spec: InputSpec, files: int, skipped: int) -> str:
+    if files:
+        problem = f"its {files} selected file(s) hold no text ({skipped} binary, skipped); give text inputs"
+    elif not _holds_files(spec.path):
+        kind = "archive" if spec.path.suffix == ".zip" else "directory"
+        problem = f"the {kind} is empty (it holds no files); give a {kind} with text files"
     else:
-        problem = f"its {files} selected file(s) hold no text ({skipped} binary, skipped)"
-    return f"input {path} has nothing to read: {problem}; give text inputs or change the globs"
+        globs = " ".join([*(f"--include {g!r}" for g in spec.include), *(f"--exclude {g!r}" for g in spec.exclude)])
+        problem = f"no file matches its --include/--exclude globs ({globs}); change the globs"
+    return f"input {spec.path} has nothing to read: {problem}"
+
+
+def _holds_files(path: Path) -> bool:
+    """Whether a directory or zip archive holds any file (other inputs are files themselves)."""
+    if path.is_dir():
+        return any(p.is_file() for p in path.rglob("*"))
+    if path.suffix == ".zip":
+        with zipfile.ZipFile(path) as archive:
+            return any(not name.endswith("/") for name in archive.namelist())
+    return True
 
 
 def looks_binary(head: bytes) -> bool:

@@ -37,6 +37,7 @@ class EngineSpec:
     dtype: str = "float32"
     seed: int = 0
     block_size: int | None = None  # KV cache block (None: the platform's); prefix caching reuses full blocks
+    max_num_batched_tokens: int | None = None  # tokens per step (None: vLLM's); longer prompts are chunked
 
 
 def build_llm(spec: EngineSpec) -> LLM:
@@ -53,7 +54,9 @@ def build_llm(spec: EngineSpec) -> LLM:
         additional_config=dict(spec.additional_config or {}),
         disable_log_stats=False,
         seed=spec.seed,
-        **({} if spec.block_size is None else {"block_size": spec.block_size}),
+        **{key: value for key, value in (("block_size", spec.block_size),
+                                         ("max_num_batched_tokens", spec.max_num_batched_tokens))
+           if value is not None},
     )
 
 

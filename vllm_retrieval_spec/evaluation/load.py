@@ -41,18 +41,30 @@ SYNTHETIC_WORDS = (
 # --- Requests ---------------------------------------------------------------------------------
 
 
+# Sampling parameters the OpenAI client takes as arguments; others (top_k, repetition_penalty,
+# min_p, ...) are vLLM's and travel in the request body's extra fields.
+OPENAI_SAMPLING_ARGUMENTS = frozenset(
+    {"temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty"})
+
+
 @dataclass(frozen=True)
 class LoadRequest:
-    """One request: a completion ``prompt`` (text or token ids) or chat ``messages``."""
+    """One request: a completion ``prompt`` (text or token ids) or chat ``messages``, and its
+    own ``sampling`` parameters (over the run's temperature)."""
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int = 128
     ignore_eos: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a request needs either a prompt or chat messages")
+
+    def is_greedy(self, run_temperature: float) -> bool:
+        """Whether the output depends on nothing but the request (so servers must agree)."""
+        return self.sampling.get("temperature", run_temperature) == 0 and self.sampling.get("n", 1) == 1
 
 
 def _cycle(items: Sequence[LoadRequest], count: int | None) -> list[LoadRequest]:
@@ -104,6 +116,47 @@ def synthetic_requests(
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"][:input_len] if tokenizer else text
         requests.append(LoadRequest(prompt=prompt, max_tokens=output_len, ignore_eos=True))
     return requests
+
+
+def mixed_requests(count: int, max_tokens: int, seed: int = 0) -> list[LoadRequest]:
+    """``count`` requests as a shared server sees them (seeded): chat and completion prompts,
+    short and long (several HumanEval problems in one), greedy and sampled (temperature
+    0.3–1.2, top-p, top-k, seeds, ``n`` = 2), some with penalties or stop strings, up to
+    ``max_tokens`` new tokens each."""
+    rng = random.Random(seed)
+    chats, raws = humaneval_messages(), humaneval_prompts(None, "raw")
+    requests = []
+    for _ in range(count):
+        shape = rng.random()
+        tokens = rng.choice((max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens))
+        sampling = _mixed_sampling(rng)
+        if shape < 0.55:
+            requests.append(LoadRequest(messages=rng.choice(chats), max_tokens=tokens, sampling=sampling))
+        else:
+            parts = rng.randint(3, 6) if shape > 0.85 else 1
+            prompt = "\n".join(rng.sample(raws, parts))
+            requests.append(LoadRequest(prompt=prompt, max_tokens=tokens, sampling=sampling))
+    return requests
+
+
+def _mixed_sampling(rng: random.Random) -> dict[str, Any]:
+    """One request's sampling parameters: greedy 40% of the time."""
+    sampling: dict[str, Any] = {"temperature": 0.0}
+    if rng.random() >= 0.4:
+        sampling = {"temperature": round(rng.uniform(0.3, 1.2), 2), "top_p": rng.choice((1.0, 0.95, 0.9, 0.8))}
+        sampling.update(rng.choice(({}, {"top_k": 20}, {"top_k": 50})))
+        if rng.random() < 0.5:
+            sampling["seed"] = rng.randrange(2**31)
+        if rng.random() < 0.15:
+            sampling["n"] = 2
+    extra = rng.random()
+    if extra < 0.1:
+        sampling["repetition_penalty"] = 1.1
+    elif extra < 0.2:
+        sampling[rng.choice(("presence_penalty", "frequency_penalty"))] = 0.4
+    elif extra < 0.35:
+        sampling["stop"] = [rng.choice(("\n\n", "```", "return"))]
+    return sampling
 
 
 # --- Running ----------------------------------------------------------------------------------
@@ -182,7 +235,8 @@ def error_kind(error: BaseException) -> str:
 
 
 def _create_arguments(request: LoadRequest, settings: LoadSettings) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {key: value for key, value in request.sampling.items()
+                             if key not in OPENAI_SAMPLING_ARGUMENTS}
     if settings.token_ids:
         extra["return_token_ids"] = True
     if request.ignore_eos:
@@ -190,6 +244,7 @@ def _create_arguments(request: LoadRequest, settings: LoadSettings) -> dict[str,
     arguments: dict[str, Any] = {
         "model": settings.model, "max_tokens": request.max_tokens, "temperature": settings.temperature,
         "stream": settings.stream, "extra_body": extra,
+        **{key: value for key, value in request.sampling.items() if key in OPENAI_SAMPLING_ARGUMENTS},
     }
     if settings.stream:
         arguments["stream_options"] = {"include_usage": True}
@@ -371,9 +426,11 @@ def same_output(a: RequestResult, b: RequestResult) -> bool:
     return a.text == b.text
 
 
-def count_differences(results: Sequence[RequestResult], reference: Sequence[RequestResult]) -> dict[str, Any]:
-    """How many requests that succeeded in both runs got outputs other than the reference's."""
-    by_index = {r.index: r for r in reference if r.ok}
+def count_differences(results: Sequence[RequestResult], reference: Sequence[RequestResult],
+                      comparable: Sequence[bool] | None = None) -> dict[str, Any]:
+    """How many requests that succeeded in both runs (and are ``comparable``, by index: greedy)
+    got outputs other than the reference's."""
+    by_index = {r.index: r for r in reference if r.ok and (comparable is None or comparable[r.index])}
     pairs = [(r, by_index[r.index]) for r in results if r.ok and r.index in by_index]
     differing = [r.index for r, ref in pairs if not same_output(r, ref)]
     by_ids = sum(r.token_ids is not None and ref.token_ids is not None for r, ref in pairs)

@@ -38,9 +38,14 @@ def humaneval_prompts(
         raise ValueError(f"prompt form must be 'raw' or 'chat', got {form!r}")
     if tokenizer is None:
         raise ValueError("chat-wrapped prompts need the model's tokenizer")
+    return chat_prompts(humaneval_messages(count), tokenizer)
+
+
+def chat_prompts(conversations: list[list[dict[str, str]]], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Chat ``messages`` rendered with ``tokenizer``'s chat template, ending where the assistant answers."""
     return [
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        for messages in humaneval_messages(count)
+        for messages in conversations
     ]
 
 

@@ -110,6 +110,7 @@ class Families:
     counters: dict[str, Counter]
     drafting_seconds: Histogram
     step_cost_seconds: Gauge
+    failing_steps: Gauge
 
 
 @functools.cache
@@ -123,7 +124,10 @@ def families() -> Families:
     cost = Gauge(PREFIX + "budget_step_cost_seconds", "The goodput budget's learned step cost: seconds per "
                  "step, per request, per draft token and per branching tree.", [*LABELS, "term"],
                  multiprocess_mode="mostrecent")
-    return Families(counters, drafting, cost)
+    failing = Gauge(PREFIX + "consecutive_drafting_failures", "Steps in a row whose drafting failed (0 once a "
+                    "step drafts again); above 0 for long, the server runs without speculation.", LABELS,
+                    multiprocess_mode="mostrecent")
+    return Families(counters, drafting, cost, failing)
 
 
 class RunnerMetrics:
@@ -139,6 +143,7 @@ class RunnerMetrics:
         metrics = families()
         self._drafting_seconds = metrics.drafting_seconds.labels(*labels)
         self._step_cost = [metrics.step_cost_seconds.labels(*labels, term) for term in COST_TERMS]
+        self._failing_steps = metrics.failing_steps.labels(*labels)
         counts = self.counts()
         for spec in COUNTERS:  # plain counters show from the start, at zero
             if spec.label is None and spec.total(counts) is not None:
@@ -161,6 +166,7 @@ class RunnerMetrics:
 
     def _publish(self, draft_seconds: float) -> None:
         self._drafting_seconds.observe(draft_seconds)
+        self._failing_steps.set(self.proposer.stats.consecutive_failures)
         counts = self.counts()
         for spec in COUNTERS:
             total = spec.total(counts)

@@ -20,14 +20,16 @@ import torch
 
 from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
+from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, engine_snapshot_path
 from vllm_retrieval_spec.goodput import GoodputBudget
-from vllm_retrieval_spec.integration.metrics import attach_metrics
+from vllm_retrieval_spec.integration.metrics import attach_metrics, engine_label, tensor_parallel_rank
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
+from vllm_retrieval_spec.verification.tree_attention import require_supported_attention
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig
@@ -204,6 +206,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
+        keep_output_index(runner, options, output_index)
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index)
     drafter.bind_session(session)
@@ -242,10 +245,39 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
     _hook(runner, "_update_states", release_finished)
     _hook(runner, "propose_draft_token_ids", begin_step)
+    if not generators_have_offsets(runner.device):
+        _rewind_discarded_samples_by_state(runner)
     if session.tree_mode:
         _install_tree_attention(runner, session)
     _install_sampler(runner, session, options.candidate_replacement)
     return session
+
+
+def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions,
+                      index: OutputIndex) -> OutputIndexSnapshots | None:
+    """With ``output_index_path``: load this engine's snapshot into ``index`` now (every
+    tensor-parallel rank, so that all draft alike), then save it from the first rank every
+    ``output_index_save_seconds`` and when vLLM shuts the runner down."""
+    if not options.output_index_path:
+        return None
+    from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
+
+    path = engine_snapshot_path(options.output_index_path, int(engine_label(runner.vllm_config)))
+    snapshots = OutputIndexSnapshots(index, path, tokenizer_identity(runner.model_config.tokenizer),
+                                     options.output_index_save_seconds, writes=tensor_parallel_rank() == 0)
+    snapshots.start()
+    runner.vrs_output_snapshots = snapshots
+
+    def save_at_shutdown(original: Callable) -> Callable:
+        def shutdown(*args, **kwargs):
+            snapshots.close()
+            return original(*args, **kwargs)
+
+        return shutdown
+
+    if hasattr(runner, "shutdown"):  # vLLM's worker calls it on engine shutdown (else: at interpreter exit)
+        _hook(runner, "shutdown", save_at_shutdown)
+    return snapshots
 
 
 def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> Iterator[np.ndarray]:
@@ -257,10 +289,57 @@ def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> Iterator
             yield batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]]
 
 
+def generators_have_offsets(device: torch.device) -> bool:
+    """Whether ``device``'s generators have the Philox offset vLLM rewinds (CPU ones do not)."""
+    try:
+        torch.Generator(device=device).get_offset()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _rewind_discarded_samples_by_state(runner: GPUModelRunner) -> None:
+    """vLLM rewinds a seeded request's generator after a sample it discards (a prefill chunk
+    short of the prompt's end) by moving its Philox offset back; a CPU generator has no offset,
+    so a seeded long prompt killed the engine. Here the generator's state from before sampling
+    is restored instead, and bookkeeping does not see the generator."""
+    discarded: dict[int, torch.Generator] = {}
+
+    def sample(original: Callable) -> Callable:
+        def _sample(*args, **kwargs):
+            batch = runner.input_batch
+            rows = np.flatnonzero(runner.discard_request_mask.np[: batch.num_reqs]).tolist()
+            discarded.clear()
+            discarded.update((row, batch.generators[row]) for row in rows if row in batch.generators)
+            states = {row: generator.get_state() for row, generator in discarded.items()}
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for row, generator in discarded.items():
+                    generator.set_state(states[row])
+
+        return _sample
+
+    def bookkeeping(original: Callable) -> Callable:
+        def _bookkeeping_sync(*args, **kwargs):
+            generators = runner.input_batch.generators
+            hidden = {row: generators.pop(row) for row in discarded if generators.get(row) is discarded[row]}
+            try:
+                return original(*args, **kwargs)
+            finally:
+                generators.update(hidden)
+                discarded.clear()
+
+        return _bookkeeping_sync
+
+    _hook(runner, "_sample", sample)
+    _hook(runner, "_bookkeeping_sync", bookkeeping)
+
+
 def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: bool) -> None:
     """Our sampler, and the session's step plan after ``_prepare_inputs`` (positions of
     branching trees, the trees and draft distributions the sampler verifies)."""
-    runner.rejection_sampler = TreeRejectionSampler(runner.sampler, session, lambda: runner.kv_caches, replacement)
+    runner.rejection_sampler = TreeRejectionSampler(runner.sampler, session, replacement)
 
     def plan_step(original: Callable) -> Callable:
         def _prepare_inputs(scheduler_output, *args, **kwargs):
@@ -280,8 +359,6 @@ def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> Non
             f"retrieval_spec.tree (tree verification) runs on CPUs and CUDA GPUs, not on "
             f"{runner.device.type}; use chain mode (leave retrieval_spec.tree false)"
         )
-    if len(runner.input_batch.block_table.block_tables) != 1:
-        raise TreeModeError("tree verification supports models with one KV cache group (full attention)")
     if runner.device.type == "cuda":
         keep_attention_eager(runner.compilation_config)
 
@@ -313,10 +390,15 @@ def _hook_attention_layers(runner: GPUModelRunner, session: SpecSession) -> None
     branching trees with the tree mask."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
 
+    if get_layers_from_vllm_config(runner.vllm_config, MambaBase):
+        raise TreeModeError("tree verification does not support state-space (Mamba) layers, whose state a "
+                            "branching tree would advance down every branch; use chain mode (tree: false)")
     for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values():
         impl = attention.impl
         layout = kv_layout_of(impl)
+        require_supported_attention(impl)  # at start: ALiBi, fp8 KV cache
 
         def tree_forward(original: Callable, impl=impl, layout=layout) -> Callable:
             def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):

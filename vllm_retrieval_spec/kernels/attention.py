@@ -4,8 +4,12 @@ Draft node ``m`` of a branching tree — request row ``node_request[m]`` of the 
 local index ``node_index[m]``, ``node_context[m]`` context tokens (the root included) — attends
 to the cache positions ``0 .. C-1`` of its request and to ``C + a`` for every ancestor-or-self
 ``a`` (bit ``a`` of ``ancestors[m]``), reading keys and values where the backend stored them:
-nothing is copied out of the cache. CPU threads (float32, bfloat16) or CUDA (float32, float16,
-bfloat16), matching the torch reference in
+nothing is copied out of the cache. In order those keys are the node's path, logical positions
+``0 .. C - 1 + d`` for a node at depth ``d``: a sliding ``window`` of ``W`` keeps the last ``W``
+(vLLM counts the window from the query's own position, the query included), ``softcap`` ``s``
+maps each scaled score ``x`` to ``s * tanh(x / s)`` and ``sinks`` (one logit per query head)
+add ``exp(sink)`` to each softmax's denominator, as gpt-oss's attention sinks do. CPU threads
+(float32, bfloat16) or CUDA (float32, float16, bfloat16), matching the torch reference in
 :mod:`vllm_retrieval_spec.kernels.attention_reference` to float32 rounding.
 
 Per layer the cache is ``[num_blocks, kv_heads, block_size, 2 * head_size]`` in both layouts:
@@ -54,7 +58,7 @@ def tree_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, node_row: torch.Tensor,
     block_table: torch.Tensor, node_request: torch.Tensor, node_context: torch.Tensor,
     node_index: torch.Tensor, ancestors: torch.Tensor, heads: int, scale: float, out: torch.Tensor,
-    *, num_threads: int = 0,
+    *, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None, num_threads: int = 0,
 ) -> None:
     """Overwrite rows ``node_row`` of ``out`` with the attention of those rows' queries over
     their paged context and ancestors (module docstring).
@@ -62,11 +66,14 @@ def tree_attention(
     ``query`` and ``out`` ``[tokens, heads * head_size]`` (rows may be strided), ``node_row``
     ``[nodes]`` int64, ``block_table`` ``[rows, width]``, ``node_*`` ``[nodes]`` int32,
     ``ancestors`` ``[nodes, words]`` uint64 (``kernels.tree.pack_tree_masks``' rows), all on
-    the cache's device, the index arrays contiguous.
+    the cache's device, the index arrays contiguous. ``window`` ``0`` and ``softcap`` ``0`` mean
+    none; ``sinks`` ``[heads]`` float32 on the cache's device, or ``None``.
     """
     args = (query, kv_cache, out, node_row, block_table, node_request, node_context, node_index, ancestors,
             heads, layout.code, scale)
+    options = {"window": window, "softcap": softcap, "sinks": sinks}
     if is_cuda_tensor(kv_cache):
-        load_extension().tree_attention(*args, cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream)
+        stream = cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream
+        load_extension().tree_attention(*args, stream, **options)
     else:
-        load_extension().tree_attention(*args, num_threads)
+        load_extension().tree_attention(*args, num_threads, **options)

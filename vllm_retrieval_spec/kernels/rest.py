@@ -97,18 +97,16 @@ def rest_retrieve(
     profile: bool = False,
 ) -> RestDrafts:
     """Draft for ``tokens[rows]`` (vLLM's ``token_ids_cpu`` layout) from ``store`` (a
-    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only),
+    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only; one no
+    longer ``usable`` counts as None),
     ``output_index`` (the ``native`` build of an
     :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None) and ``dense``
     continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
     row per requested row, each weighing ``dense_weight``.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
-    native_store = None if store is None else ext.SuffixStore(
-        store.tokens, store.suffix_array, store.separator, getattr(store, "first_token_offsets", None)
-    )
     arrays = ext.rest_retrieve(
-        native_store,
+        _drafting_store(store),
         output_index,
         np.ascontiguousarray(tokens, dtype=np.int32),
         np.ascontiguousarray(lengths, dtype=np.int32),
@@ -120,6 +118,20 @@ def rest_retrieve(
         num_threads=num_threads,
     )
     return RestDrafts(**arrays)
+
+
+def native_suffix_store(store: Any) -> Any:
+    """The extension's ``SuffixStore`` over ``store``'s tokens, suffix array, separator and
+    first-token offsets (when it has them)."""
+    return load_extension().SuffixStore(store.tokens, store.suffix_array, store.separator,
+                                        getattr(store, "first_token_offsets", None))
+
+
+def _drafting_store(store: Any) -> Any:
+    """``store`` as the kernel drafts from it: None for no store, or for a
+    :class:`~vllm_retrieval_spec.datastores.TokenDatastore` that is no longer ``usable`` (its
+    background checksum failed)."""
+    return None if store is None or not getattr(store, "usable", True) else native_suffix_store(store)
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,16 +31,20 @@ from vllm_retrieval_spec import __version__
 from vllm_retrieval_spec.datastores.format import TokenizerIdentity
 from vllm_retrieval_spec.paths import cache_root
 from vllm_retrieval_spec.storage import (
+    MAX_VOCAB_SIZE,
     ArtifactKind,
     StorageError,
     atomic_directory,
     check_build_target,
+    check_manifest_ints,
+    local_model_dir,
     manifest_record,
     map_array,
     read_manifest,
     sha256_of_file,
     write_manifest,
 )
+from vllm_retrieval_spec.validation import require_ints
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -62,7 +66,9 @@ NGRAM_TABLE = ArtifactKind(
     format_version=FORMAT_VERSION,
     error=NgramTableError,
     build_command="`vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`",
-    required={"model": dict, "k": int, "w": int, "unigram": bool, "prefix": list},
+    required={"model": dict, "k": int, "w": int, "unigram": bool, "prefix": list, "files": dict},
+    data_files=(BIGRAM_TOKENS, BIGRAM_PROBS, EXTENDED, UNIGRAM_RANKING),
+    sized_files=False,
 )
 
 
@@ -76,10 +82,11 @@ class ModelIdentity:
     vocab_sha256: str
 
     @classmethod
-    def of(cls, model_dir: str | Path) -> ModelIdentity:
+    def of(cls, model_dir: str | Path, flag: str = "--model") -> ModelIdentity:
+        """The identity of the model in ``model_dir`` (a local directory; ``flag`` names it in errors)."""
+        model_dir = local_model_dir(model_dir, flag)
         from transformers import AutoTokenizer
 
-        model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         canonical = json.dumps(config, sort_keys=True).encode()
         tokenizer = TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(model_dir)))
@@ -126,7 +133,10 @@ class NgramTable:
         was built from another model."""
         path = Path(path)
         manifest = read_manifest(path, NGRAM_TABLE)
-        owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE)
+        owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE, "model")
+        check_manifest_ints(path, NGRAM_TABLE, {"model.vocab_size": (owner.vocab_size, 1, MAX_VOCAB_SIZE),
+                                                **table_bounds(manifest["k"], manifest["w"], manifest["prefix"],
+                                                               owner.vocab_size)})
         if expected_model is not None:
             _refuse_another_model(path, owner, expected_model)
         v, k, w = owner.vocab_size, manifest["k"], manifest["w"]
@@ -140,6 +150,7 @@ class NgramTable:
             unigram_ranking=unigram,
         )
         table.check_token_ids()
+        table.check_probabilities()
         return table
 
     def check_model(self, expected: ModelIdentity) -> None:
@@ -157,6 +168,13 @@ class NgramTable:
             if low < 0 or high >= v:
                 raise NGRAM_TABLE.fail(f"{self.path / name} holds token ids outside the vocabulary [0, {v}) "
                                        f"(min {low}, max {high})")
+
+    def check_probabilities(self) -> None:
+        """Fail naming the file when a bigram probability is NaN or outside [0, 1] (reads it once)."""
+        probs = np.asarray(self.bigram_probs)
+        if probs.size and not (np.all(probs >= 0) and np.all(probs <= 1)):  # NaN fails both
+            raise NGRAM_TABLE.fail(f"{self.path / BIGRAM_PROBS} holds values that are no probabilities (NaN or "
+                                   "outside [0, 1])")
 
 
 def _refuse_another_model(path: Path, owner: ModelIdentity, expected: ModelIdentity) -> None:
@@ -192,6 +210,20 @@ def _require_table_dir(table_dir: Path, build_args: str) -> None:
         )
 
 
+def table_bounds(k: Any, w: Any, prefix: Sequence[Any], vocab_size: int) -> dict[str, tuple[Any, int, int | None]]:
+    """The ranges of a table's parameters, as build options and as manifest values: ``k`` top
+    tokens of the vocabulary, drafts of ``w >= 1`` tokens, ``prefix`` ids in the vocabulary."""
+    bounds = {"k": (k, 1, vocab_size), "w": (w, 1, None)}
+    bounds.update({f"prefix[{i}]": (token, 0, vocab_size - 1) for i, token in enumerate(prefix)})
+    return bounds
+
+
+def check_build_options(k: int, w: int, batch_size: int, prefix: Sequence[int], vocab_size: int) -> None:
+    """Fail naming the flag (``--k`` ...) when a build option is out of range, before any model runs."""
+    bounds = {f"--{name}": bound for name, bound in table_bounds(k, w, prefix, vocab_size).items()}
+    require_ints({**bounds, "--batch-size": (batch_size, 1, None)})
+
+
 def document_start_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """What precedes a document's first token in training: the BOS the tokenizer adds, else
     its end-of-text token, else its EOS (empty when it has none)."""
@@ -211,13 +243,16 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
     write the tables."""
     out_dir = Path(out_dir)
     check_build_target(out_dir, replace, NGRAM_TABLE)  # before minutes of work
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     identity = ModelIdentity.of(model_dir)
     start = time.perf_counter()
     if prefix is None:
+        from transformers import AutoTokenizer
+
         prefix = document_start_prefix(AutoTokenizer.from_pretrained(str(model_dir)))
+    check_build_options(k, w, batch_size, prefix, identity.vocab_size)
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress, prefix)
     extended = extend_bigram(top_tokens, w)

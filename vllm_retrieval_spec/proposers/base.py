@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CANDIDATE_SEED = 0x5EED  # drafting's own random stream: the same on every tensor-parallel rank
+FAILING_STEPS_WARNING = 100  # consecutive failed steps between two warnings
 
 
 class DraftSession(Protocol):
@@ -103,6 +104,7 @@ class ProposerStats:
     draft_tokens: int = 0
     draft_tokens_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
     failures: int = 0
+    consecutive_failures: int = 0  # steps failed since the last one that drafted without error
     last_error: str | None = field(default=None, repr=False)
 
 
@@ -115,6 +117,7 @@ class DraftProposer(abc.ABC):
         self.num_speculative_tokens = int(speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.options = RetrievalSpecOptions.from_additional_config(vllm_config.additional_config)
+        self.options.check_engine(self.num_speculative_tokens, vllm_config.cache_config.cache_dtype)
         self.stats = ProposerStats()
         self.session: DraftSession | None = None
         self._rng = np.random.default_rng(CANDIDATE_SEED)
@@ -162,6 +165,7 @@ class DraftProposer(abc.ABC):
         except Exception as error:  # a drafting bug must never take the server down
             self._record_failure(error)
             return drafts
+        self.stats.consecutive_failures = 0
         if chosen is None:
             return drafts
         rows, sizes = chosen.rows.tolist(), chosen.sizes.tolist()
@@ -261,13 +265,23 @@ class DraftProposer(abc.ABC):
                           trees=self.candidate_tree_size() > 0 and self.session is not None)
 
     def _record_failure(self, error: Exception) -> None:
-        self.stats.failures += 1
-        self.stats.last_error = f"{type(error).__name__}: {error}"
-        if self.stats.failures == 1:
+        """Count a failed step; log the first with its traceback and warn every
+        ``FAILING_STEPS_WARNING`` consecutive ones (speculation is then lost, not the server)."""
+        stats = self.stats
+        stats.failures += 1
+        stats.consecutive_failures += 1
+        stats.last_error = f"{type(error).__name__}: {error}"
+        if stats.failures == 1:
             logger.exception(
                 "%s failed to draft; this and later failing steps get no drafts (output stays "
-                "exact); see stats.failures for the count",
+                "exact); the metric vllm_retrieval_spec:drafting_failures counts them",
                 type(self).__name__,
+            )
+        if stats.consecutive_failures % FAILING_STEPS_WARNING == 0:
+            logger.warning(
+                "%s: the last %d steps all failed to draft, so the server runs without speculation "
+                "(last error: %s); check its datastore, table and options", type(self).__name__,
+                stats.consecutive_failures, stats.last_error,
             )
 
 

@@ -50,6 +50,7 @@ class DReSDProposer(DraftProposer):
         self.last_drafts: DenseDrafts | None = None
         self.place_index(vllm_config)
         self.store.warm_up(options.dense_neighbours)
+        self.store.verify_in_background()  # a changed file stops searching it, logged
 
     def place_index(self, vllm_config: VllmConfig) -> None:
         """The FAISS index on the runner's GPU when faiss-gpu is installed (CPU otherwise)."""

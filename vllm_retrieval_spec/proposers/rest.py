@@ -28,6 +28,7 @@ class RestProposer(DraftProposer):
                 options.datastore, vllm_config.model_config.tokenizer
             )
             self.datastore.prefetch()
+            self.datastore.verify_in_background()  # a changed file stops drafting from it, logged
         self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens,
                                               top_k=self.candidate_tree_size())
         self.last_drafts: RestDrafts | None = None

@@ -13,8 +13,6 @@ sampler, with the drawn candidates' ``q`` as its draft probabilities.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
@@ -31,11 +29,9 @@ GREEDY_TEMPERATURE = 0.0
 class TreeRejectionSampler(RejectionSampler):
     """vLLM's rejection sampler, verifying this step's draft trees instead of chains."""
 
-    def __init__(self, sampler: object, session: SpecSession,
-                 kv_caches: Callable[[], Sequence[torch.Tensor]], replacement: bool = False) -> None:
+    def __init__(self, sampler: object, session: SpecSession, replacement: bool = False) -> None:
         super().__init__(sampler)
         self._session = session
-        self._kv_caches = kv_caches
         self._drawn_rule = AcceptRule.MCSS if replacement else AcceptRule.MCSS_NO_REPLACEMENT
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
@@ -48,8 +44,10 @@ class TreeRejectionSampler(RejectionSampler):
             return super().forward(metadata, None if probs is None else probs.to(logits.device), logits,
                                    sampling_metadata)
         logits = logits.to(torch.float32)
-        out_tokens, path_nodes, num_accepted = self._accept(plan, logits, metadata, sampling_metadata)
-        self._session.finish_step(self._kv_caches(), path_nodes, num_accepted)
+        rows = plan.logit_rows()
+        node_logits = logits if rows is None else logits[torch.from_numpy(rows).to(logits.device)]
+        out_tokens, path_nodes, num_accepted = self._accept(plan, node_logits, metadata, sampling_metadata)
+        self._session.finish_step(path_nodes, num_accepted)
         output = torch.as_tensor(out_tokens).to(logits.device)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -136,16 +134,22 @@ def processes_drafts_as_a_sequence(sampling_metadata) -> bool:
 
 
 def chain_draft_probs(plan: TreeStepPlan, vocab: int) -> np.ndarray:
-    """vLLM's ``draft_probs`` (``[drafted tokens, vocab]``) for a step of chains: each drawn
-    token's ``q``, one-hot rows for deterministic candidates (which makes vLLM's rule the
-    deterministic-candidate rule)."""
+    """vLLM's ``draft_probs`` (``[drafted tokens, vocab]``, a row per scheduled draft slot)
+    for a step of chains: each drawn token's ``q``, one-hot rows for deterministic candidates
+    (which makes vLLM's rule the deterministic-candidate rule), zero rows for placeholders
+    (vLLM rejects them)."""
     sizes = plan.sizes
     request = np.repeat(np.arange(len(sizes)), sizes)
     probs = plan.draft_q.dense(vocab)[np.arange(len(plan.tokens)) + request]
     deterministic = ~plan.draft_q.drawn[request]
     probs[deterministic] = 0.0
     probs[np.flatnonzero(deterministic), plan.tokens[deterministic]] = 1.0
-    return probs
+    slot_rows = plan.draft_slot_rows()
+    if slot_rows is None:
+        return probs
+    slots = np.zeros((int(plan.scheduled.sum()), vocab), np.float32)
+    slots[slot_rows] = probs
+    return slots
 
 
 def request_is_greedy(sampling_metadata, num_requests: int) -> np.ndarray:

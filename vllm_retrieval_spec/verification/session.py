@@ -15,8 +15,8 @@ drafter, and owns everything that lives between drafting and verification:
   and the tokens the step in between scheduled;
 - the plan of every target step our sampler verifies (a tree branches, or a request that
   samples has drafts): the trees and draft distributions the sampler walks and, for branching
-  trees, depth positions, KV slots, the tree-attention fix-up and the KV compaction of the
-  accepted paths;
+  trees, depth positions, the tree-attention fix-up and the KV compaction of the accepted
+  paths, per KV cache group (sliding-window and full-attention layers have their own);
 - its counters and its one-time check of the attention KV layout (per runner, so a second
   engine in the same process checks its own);
 - the runner's Prometheus metrics (``integration/metrics.py``), published once per step
@@ -42,6 +42,18 @@ from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+
+PLACEHOLDER_TOKEN = -1  # a draft slot the scheduler filled without a draft (vLLM rejects it)
+
+
+def without_placeholders(scheduled_tokens: Sequence[int]) -> Sequence[int]:
+    """The drafts among a row's scheduled spec tokens: vLLM pads a new request whose prompt
+    was all in the prefix cache with ``-1`` placeholders (uniform decode shapes), and
+    structured output pads the drafts it rejects the same way, always after the real ones."""
+    if PLACEHOLDER_TOKEN not in scheduled_tokens:
+        return scheduled_tokens
+    return scheduled_tokens[: list(scheduled_tokens).index(PLACEHOLDER_TOKEN)]
 
 
 class TreeModeError(RuntimeError):
@@ -96,7 +108,8 @@ class SpecSession:
     _branching_seen: int = field(default=0, init=False, repr=False)
     _sampled_tokens: int = field(default=0, init=False, repr=False)  # draft tokens of sampling requests this step
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
-    _tree_nodes: ops.TreeNodes | None = field(default=None, init=False, repr=False)
+    _kv_groups: dict[int, ops.TreeKVGroup] = field(default_factory=dict, init=False, repr=False)  # by metadata
+    _variants: dict[int, ops.AttentionVariant] = field(default_factory=dict, init=False, repr=False)  # by impl
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
     _accepted_paths: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
     step_hidden_states: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -186,7 +199,8 @@ class SpecSession:
         """Build this step's plan when our sampler verifies it (a tree branches, or a request
         that samples has drafts) and move branching trees' rotary positions to ``base +
         depth``. Runs after vLLM's ``_prepare_inputs``."""
-        self.plan = self._tree_nodes = self._kv_layout = None
+        self.plan = self._kv_layout = None
+        self._kv_groups = {}
         self._sampled_tokens = 0
         if not spec_tokens:
             return
@@ -196,9 +210,10 @@ class SpecSession:
         if not (self.tree_mode or samples.any()):
             return  # chains of greedy requests: vLLM's sampler verifies them exactly
         req_ids = batch.req_ids[:num_reqs]
-        drafted = [self.tree_for(req_id, spec_tokens.get(req_id, ())) for req_id in req_ids]
+        scheduled = [spec_tokens.get(req_id, ()) for req_id in req_ids]
+        drafted = [self.tree_for(req_id, without_placeholders(tokens)) for req_id, tokens in zip(req_ids, scheduled)]
         plan = TreeStepPlan.build([tree for tree, _ in drafted], runner.query_start_loc.np[:num_reqs],
-                                  [q for _, q in drafted])
+                                  [q for _, q in drafted], np.fromiter(map(len, scheduled), np.int64, num_reqs))
         self._sampled_tokens = int(plan.sizes[samples].sum())
         if plan.is_branching():
             self._plan_tree_attention(runner, plan)
@@ -214,7 +229,6 @@ class SpecSession:
         roots = torch.from_numpy(np.repeat(plan.query_starts, plan.sizes)).to(device)
         depth = torch.from_numpy(plan.depth).to(device, runner.positions.dtype)
         runner.positions[node_rows] = runner.positions[roots] + depth
-        plan.draft_slots = runner.input_batch.block_table.block_tables[0].slot_mapping.gpu[node_rows]
         self._context_lens = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + 1
         self.stats.tree_steps += 1
         self.stats.tree_requests += int((plan.sizes > 0).sum())
@@ -222,20 +236,27 @@ class SpecSession:
 
     def attend(self, impl: object, layer: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, metadata: object, output: torch.Tensor, layout: KVLayout) -> None:
-        """Recompute the draft rows of this step's branching trees with the tree mask."""
+        """Recompute the draft rows of this step's branching trees with the tree mask (and the
+        layer's sliding window, soft-cap and sinks); the layers of one KV cache group share
+        ``metadata``, and with it the group's node arrays and slots."""
         plan = self.plan
         if plan is None or metadata is None or not plan.is_branching():
             return
         if not self.layout_checked:
-            self._check_layout(impl, layer, key, value, kv_cache, metadata, layout)
-        if self._tree_nodes is None:
-            self._tree_nodes = ops.TreeNodes.build(plan, self._context_lens, metadata.block_table)
+            self._check_layout(layer, key, value, kv_cache, metadata, layout)
+        group = self._kv_groups.get(id(metadata))
+        if group is None:
+            group = self._kv_groups[id(metadata)] = ops.TreeKVGroup.build(plan, self._context_lens, metadata)
             self._kv_layout = layout
-        ops.apply_tree_attention(impl, query, kv_cache, layout, output, self._tree_nodes)
+        group.add_cache(kv_cache)
+        variant = self._variants.get(id(impl))
+        if variant is None:
+            variant = self._variants[id(impl)] = ops.AttentionVariant.of(impl)
+        ops.apply_tree_attention(impl, query, kv_cache, layout, output, group.nodes, variant)
 
-    def finish_step(self, kv_caches: Sequence[torch.Tensor], path_nodes: np.ndarray,
-                    num_accepted: np.ndarray) -> None:
-        """Move each accepted node's K/V into the draft slot of its depth, then retire the plan."""
+    def finish_step(self, path_nodes: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Move each accepted node's K/V into the draft slot of its depth in every KV cache
+        group (each in the caches its layers wrote this step), then retire the plan."""
         plan, self.plan = self.plan, None
         if plan is None:
             return
@@ -251,12 +272,11 @@ class SpecSession:
         sources, destinations = plan.accepted_moves(path_nodes, num_accepted)
         self.stats.compacted_slots += len(sources)
         if len(sources):
-            slots = plan.draft_slots
-            index = torch.from_numpy(np.stack([sources, destinations], axis=1)).to(slots.device)
-            ops.compact_kv(kv_caches, self.head_size, self._kv_layout, slots[index].long())
+            moves = torch.from_numpy(np.stack([sources, destinations], axis=1))
+            for group in self._kv_groups.values():
+                group.compact(self.head_size, self._kv_layout, moves)
 
-    def _check_layout(self, impl, layer, key, value, kv_cache, metadata, layout: KVLayout) -> None:
-        ops.require_plain_attention(impl)
+    def _check_layout(self, layer, key, value, kv_cache, metadata, layout: KVLayout) -> None:
         if layout is KVLayout.CPU_VEC:
             ops.require_cpu_isa(layer.isa)
         n = metadata.num_actual_tokens

@@ -7,6 +7,19 @@ only); the draft rows of branching trees are then recomputed with the tree mask 
 node's context and ancestors in place from the paged cache: each node sees the whole context,
 its ancestors and itself. Chains need no fix-up (causal is their tree mask).
 
+A node at depth ``d`` sits at position ``base + d``: a sliding-window layer (Gemma 2/3,
+Mistral, gpt-oss) keeps the keys of its path within the window counted from there, a soft-capped
+layer (Gemma 2) caps its scores and attention sinks (gpt-oss) join its softmax, as the backend
+does for every other row (:class:`AttentionVariant`). ALiBi and quantized (fp8) KV caches are
+refused when the engine starts (:func:`require_supported_attention`).
+
+vLLM's hybrid KV cache manager gives sliding-window and full-attention layers separate KV cache
+groups (on the CPU build too), each with its own block table and its own slots for the same
+tokens. Each group's layers read their nodes through their own block table and compaction moves
+each group's accepted K/V between that group's slots (:class:`TreeKVGroup`): sliding-window
+groups free only blocks wholly before the window of the step's first new token, and a node's
+window never reaches further back, so every block a node reads or a move touches is allocated.
+
 :func:`check_layout` verifies the cache layout the kernel reads against the keys and values
 the backend has just written, once per runner, so another layout (or a quantized cache) fails
 loudly.
@@ -15,7 +28,7 @@ loudly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +37,7 @@ from vllm_retrieval_spec.kernels.attention import KVLayout, kv_views, tree_atten
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
 SUPPORTED_CPU_ISAS = ("vec",)
+PLAIN_KV_CACHE_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 
 class TreeAttentionError(RuntimeError):
@@ -61,6 +75,56 @@ def require_cpu_isa(isa: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What one layer's attention adds to the plain causal mask, in the kernel's terms."""
+
+    window: int = 0  # sliding window in keys, the query's own included (0: none)
+    softcap: float = 0.0  # logit soft-cap (0: none)
+    sinks: torch.Tensor | None = None  # [heads] float32 sink logits
+
+    @classmethod
+    def of(cls, impl: object) -> AttentionVariant:
+        """The variant of a vLLM attention implementation (``CPU_ATTN``, ``FLASH_ATTN``,
+        ``TRITON_ATTN``)."""
+        sinks = getattr(impl, "sinks", None)
+        return cls(sliding_window_of(impl), float(getattr(impl, "logits_soft_cap", None) or 0.0),
+                   None if sinks is None else sinks.detach().to(torch.float32).contiguous())
+
+
+def sliding_window_of(impl: object) -> int:
+    """The layer's causal sliding window in keys, the query included (0: none). ``CPU_ATTN``
+    keeps vLLM's window ``W`` (keys ``p - W + 1 .. p``), the GPU backends ``(W - 1, 0)``."""
+    window = getattr(impl, "sliding_window", None)
+    if isinstance(window, (tuple, list)):
+        return int(window[0]) + 1 if window[0] >= 0 else 0
+    return int(window) if window is not None and window > 0 else 0
+
+
+def unsupported_attention(impl: object) -> str | None:
+    """What about a layer's attention the tree fix-up cannot reproduce, or None."""
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi position biases"
+    kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    if kv_cache_dtype not in PLAIN_KV_CACHE_DTYPES:
+        return f"a quantized KV cache (kv_cache_dtype {kv_cache_dtype!r})"
+    window = getattr(impl, "sliding_window", None)
+    if isinstance(window, (tuple, list)) and window[1] > 0:
+        return "bidirectional sliding windows"
+    return None
+
+
+def require_supported_attention(impl: object) -> None:
+    """Refuse, when the engine starts, a layer whose attention the tree fix-up cannot
+    reproduce (sliding windows, soft-caps and attention sinks are supported)."""
+    problem = unsupported_attention(impl)
+    if problem is not None:
+        raise TreeAttentionError(
+            f"tree verification does not support {problem} ({type(impl).__name__}); run without "
+            "retrieval_spec.tree (chain mode)"
+        )
+
+
 @dataclass
 class TreeNodes:
     """The draft nodes of one step's branching trees, as the ``tree_attention`` kernel takes
@@ -89,24 +153,40 @@ class TreeNodes:
         return cls(rows, request_t, context, index_t, ancestors, table)
 
 
+@dataclass
+class TreeKVGroup:
+    """One KV cache group's part of a tree step: the node arrays its layers' tree attention
+    reads (through the group's block table), every node's KV slot in its layers and the caches
+    those layers wrote (by data pointer: layers of different groups may share one tensor)."""
+
+    nodes: TreeNodes
+    slots: torch.Tensor  # [N] KV slot of every node of the plan in this group's layers
+    caches: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, plan: TreeStepPlan, context_lens: np.ndarray, metadata: object) -> TreeKVGroup:
+        """From the attention metadata the group's layers share this step."""
+        slot_mapping = metadata.slot_mapping
+        rows = torch.from_numpy(plan.node_rows()).to(slot_mapping.device)
+        return cls(TreeNodes.build(plan, context_lens, metadata.block_table), slot_mapping[rows].long())
+
+    def add_cache(self, kv_cache: torch.Tensor) -> None:
+        self.caches.setdefault(kv_cache.data_ptr(), kv_cache)
+
+    def compact(self, head_size: int, layout: KVLayout, moves: torch.Tensor) -> None:
+        """Move the K/V of nodes ``moves[:, 0]`` into the slots of nodes ``moves[:, 1]``."""
+        compact_kv(list(self.caches.values()), head_size, layout, self.slots[moves.to(self.slots.device)])
+
+
 def apply_tree_attention(impl: object, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
-                         output: torch.Tensor, nodes: TreeNodes) -> None:
+                         output: torch.Tensor, nodes: TreeNodes, variant: AttentionVariant | None = None) -> None:
     """Overwrite the draft rows of branching trees in ``output`` with tree attention (their keys
     and values are already in ``kv_cache``)."""
-    rows = query.shape[0]
+    rows, variant = query.shape[0], variant or AttentionVariant()
     tree_attention(query.reshape(rows, -1), kv_cache, layout, nodes.rows, nodes.block_table, nodes.request,
                    nodes.context, nodes.index, nodes.ancestors, impl.num_heads, impl.scale,
-                   output.view(output.shape[0], -1))
-
-
-def require_plain_attention(impl: object) -> None:
-    """Tree rows are recomputed without sliding windows, soft-caps, ALiBi or sinks."""
-    if (getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)) or getattr(impl, "logits_soft_cap", None)
-            or getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None):
-        raise TreeAttentionError(
-            "tree verification supports plain causal attention only (no sliding window, "
-            "soft-cap, ALiBi or attention sinks); run without retrieval_spec.tree"
-        )
+                   output.view(output.shape[0], -1), window=variant.window, softcap=variant.softcap,
+                   sinks=variant.sinks)
 
 
 def compact_kv(kv_caches: Sequence[torch.Tensor], head_size: int, layout: KVLayout, moves: torch.Tensor) -> None:

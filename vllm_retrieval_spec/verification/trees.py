@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from vllm_retrieval_spec.candidates import DraftQ
 from vllm_retrieval_spec.drafts import DraftTree
@@ -32,13 +31,15 @@ class TreeStepPlan:
     ancestors: np.ndarray  # [N, words] uint64, bit j: node j of the same tree is an ancestor or itself
     branching: np.ndarray  # [B] bool, the rows whose tree is not a chain
     draft_q: DraftQRows | None = None  # the draft distributions of rows with drawn candidates
-    draft_slots: torch.Tensor | None = None  # [N] KV slot of every node, on the cache's device
+    scheduled: np.ndarray | None = None  # [B] draft slots per row, when some hold placeholders, not nodes
 
     @classmethod
     def build(cls, trees: Sequence[DraftTree], query_starts: np.ndarray,
-              draft_q: Sequence[DraftQ | None] = ()) -> TreeStepPlan:
+              draft_q: Sequence[DraftQ | None] = (), scheduled: np.ndarray | None = None) -> TreeStepPlan:
         """``draft_q[i]``: the distributions row ``i``'s candidates were drawn from (None:
-        deterministic candidates)."""
+        deterministic candidates); ``scheduled[i]``: the draft slots the scheduler gave row
+        ``i`` when some hold placeholders rather than nodes (the step's logits have a row for
+        each)."""
         parents, offsets = flatten_parents(trees)
         tokens = np.fromiter((t for tree in trees for t in tree.tokens), dtype=np.int32, count=len(parents))
         sizes = np.diff(offsets)
@@ -49,11 +50,21 @@ class TreeStepPlan:
         branching = off_chain[offsets[1:]] > off_chain[offsets[:-1]]
         rows_q = DraftQRows.build(draft_q, offsets) if any(q is not None for q in draft_q) else None
         return cls(tokens, parents, offsets, np.asarray(query_starts, dtype=np.int64), packed.depth,
-                   packed.ancestor_mask, branching, rows_q)
+                   packed.ancestor_mask, branching, rows_q,
+                   scheduled=None if scheduled is None or np.array_equal(sizes, scheduled) else scheduled)
 
     @property
     def sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def logit_rows(self) -> np.ndarray | None:
+        """The step's logits rows (a root row, then one per scheduled draft slot, per row) of
+        every root and node, when some slots hold placeholders (None: the logits are ours)."""
+        return None if self.scheduled is None else _first_of_groups(self.scheduled + 1, self.sizes + 1)
+
+    def draft_slot_rows(self) -> np.ndarray | None:
+        """The scheduled draft slot of every node, when some slots hold placeholders."""
+        return None if self.scheduled is None else _first_of_groups(self.scheduled, self.sizes)
 
     def is_branching(self) -> bool:
         """False when every tree is a chain (then vLLM's own path is already exact)."""
@@ -108,6 +119,19 @@ class DraftQRows:
         row, column = np.nonzero(self.tokens >= 0)
         out[row, self.tokens[row, column]] = self.probs[row, column]
         return out
+
+
+def _first_of_groups(groups: np.ndarray, taken: np.ndarray) -> np.ndarray:
+    """Flat indices of the first ``taken[i]`` elements of each of consecutive groups of
+    ``groups[i]`` elements."""
+    starts = np.concatenate([[0], np.cumsum(np.asarray(groups, np.int64))[:-1]])
+    return np.repeat(starts, taken) + _ranks_within(taken)
+
+
+def _ranks_within(counts: np.ndarray) -> np.ndarray:
+    """0, 1, …, counts[0] − 1, 0, 1, …: each element's index within its group."""
+    counts = np.asarray(counts, np.int64)
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def flatten_parents(trees: Sequence[DraftTree]) -> tuple[np.ndarray, np.ndarray]:

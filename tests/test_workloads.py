@@ -1,0 +1,90 @@
+"""The committed workloads of ``benchmarks/workloads.py`` (``benchmarks/data/*.jsonl``): present,
+small, loadable, reproducible from the seed, disjoint from HumanEval (but the chat-wrapped
+HumanEval one) and within 2,048 SmolLM2 tokens; ``acceptance.py --dataset`` renders them."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from vllm_retrieval_spec.evaluation.load import jsonl_requests
+from vllm_retrieval_spec.evaluation.prompts import chat_prompts, humaneval_problems
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+DATA = BENCHMARKS / "data"
+WORKLOADS = ("code_edit", "multi_turn", "doc_qa", "humaneval_chat")
+MAX_PROMPT_TOKENS = 2_048
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A module of ``benchmarks/`` (which imports its neighbours by name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def workloads() -> ModuleType:
+    return load_benchmark("workloads")
+
+
+def records(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_files_are_present_small_and_load_as_chat_requests(name):
+    path = DATA / f"{name}.jsonl"
+    assert path.is_file() and path.stat().st_size < 2_000_000
+    found = records(name)
+    assert len(found) >= 100 and {r["workload"] for r in found} == {name}
+    for record in found:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles[-1] == "user" and set(roles) <= {"user", "assistant"}
+        assert all(isinstance(m["content"], str) and m["content"] for m in record["messages"])
+    assert [r.messages for r in jsonl_requests(path, None, 64)] == [r["messages"] for r in found]
+
+
+def test_files_are_reproducible_from_the_seed(workloads, tmp_path):
+    if sys.version_info[:2] != workloads.GENERATED_WITH:
+        pytest.skip(f"the files come from Python {workloads.GENERATED_WITH}'s standard library")
+    for path in workloads.write_workloads(tmp_path, seed=0):
+        assert path.read_bytes() == (DATA / path.name).read_bytes(), f"{path.name} differs from its regeneration"
+
+
+def test_standard_library_workloads_hold_no_humaneval_text():
+    texts = []
+    for problem in humaneval_problems():
+        texts.append(problem["prompt"].strip())
+        for node in ast.walk(ast.parse(problem["prompt"])):
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            texts += [doc.strip()] if doc and len(doc.strip()) >= 40 else []
+    for name in WORKLOADS[:3]:
+        contents = "\n".join(m["content"] for r in records(name) for m in r["messages"])
+        found = [text[:60] for text in texts if text in contents]
+        assert not found, f"{name} holds HumanEval text: {found[:3]}"
+    assert sum(text in records("humaneval_chat")[0]["messages"][0]["content"] for text in texts) >= 1
+
+
+def test_prompts_fit_2048_tokens_and_acceptance_renders_them(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    acceptance = load_benchmark("acceptance")
+    for name in WORKLOADS:
+        prompts = acceptance.dataset_prompts(DATA / f"{name}.jsonl", None, tokenizer)
+        assert prompts == chat_prompts([r["messages"] for r in records(name)], tokenizer)
+        longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+        assert longest <= MAX_PROMPT_TOKENS, f"{name}: a prompt of {longest} tokens"
+    assert len(acceptance.dataset_prompts(DATA / "doc_qa.jsonl", 5, tokenizer)) == 5

@@ -1,0 +1,276 @@
+"""Snapshots of the output index on disk (option ``output_index_path``), so that a restarted
+server starts with what the one it replaced learned.
+
+``PATH`` (one per engine, see :func:`engine_snapshot_path`) holds numbered snapshots
+``snapshot-NNNNNNNN/``, each a directory built next to its final name and renamed into place
+(:func:`~vllm_retrieval_spec.storage.atomic_directory`), holding:
+
+- ``tokens.bin``: the kept sequences, oldest first, each followed by ``SEPARATOR``, as raw
+  little-endian ``uint32`` (memory-mapped read-only on load);
+- ``manifest.json``: format version, token and sequence counts, the tokenizer's identity (as
+  datastores record it), the size and sha256 of ``tokens.bin``, and when it was saved.
+
+A save writes the next number and then deletes the older snapshots, so a save killed at any
+point leaves the previous snapshot whole (its temporary directory is removed by the next
+save). A load reads the newest snapshot only and checks everything (manifest types and bounds,
+file size, checksum, separators, token ids, tokenizer); a refused snapshot is replaced by the
+next save. :class:`OutputIndexSnapshots` loads at start and saves periodically and at close.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm_retrieval_spec.datastores.format import TokenizerIdentity
+from vllm_retrieval_spec.datastores.output_index import SEPARATOR
+from vllm_retrieval_spec.storage import (
+    MAX_VOCAB_SIZE,
+    ArtifactKind,
+    StorageError,
+    atomic_directory,
+    check_manifest_ints,
+    file_records,
+    manifest_record,
+    map_array,
+    read_manifest,
+    verify_file_records,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.datastores.output_index import OutputIndex
+
+FORMAT_VERSION = 1
+TOKENS = "tokens.bin"
+TOKEN_DTYPE = np.dtype("<u4")
+MAX_SNAPSHOT_TOKENS = 2**31 - 2  # the largest output_index_tokens
+_SNAPSHOT = re.compile(r"snapshot-(\d{8})")
+
+logger = logging.getLogger(__name__)
+
+
+class OutputSnapshotError(StorageError):
+    """An output index snapshot is corrupt, truncated, of another format or another tokenizer."""
+
+
+OUTPUT_SNAPSHOT = ArtifactKind(
+    noun="output index snapshot",
+    article="an",
+    format_version=FORMAT_VERSION,
+    error=OutputSnapshotError,
+    build_command="a server with the option output_index_path (it saves one every output_index_save_seconds "
+                  "and at shutdown)",
+    required={"num_tokens": int, "num_sequences": int, "separator": int, "tokenizer": dict, "files": dict,
+              "saved": dict},
+    dtypes={"token_dtype": ("uint32",)},
+    data_files=(TOKENS,),
+)
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    """The parsed ``manifest.json`` of one snapshot."""
+
+    format_version: int
+    num_tokens: int
+    num_sequences: int
+    token_dtype: str
+    separator: int
+    tokenizer: TokenizerIdentity
+    files: dict[str, dict[str, Any]]
+    saved: dict[str, Any]
+
+    def write(self, directory: Path) -> None:
+        write_manifest(directory, asdict(self))
+
+    @classmethod
+    def read(cls, directory: Path) -> SnapshotManifest:
+        """The validated manifest of the snapshot in ``directory``."""
+        raw = read_manifest(directory, OUTPUT_SNAPSHOT)
+        tokenizer = manifest_record(directory, TokenizerIdentity, raw["tokenizer"], OUTPUT_SNAPSHOT, "tokenizer")
+        manifest = manifest_record(directory, cls, raw | {"tokenizer": tokenizer}, OUTPUT_SNAPSHOT)
+        manifest.check(directory)
+        return manifest
+
+    def check(self, directory: Path) -> None:
+        """Counts in range, our separator, a vocabulary below it, and a checksum of ``tokens.bin``."""
+        check_manifest_ints(directory, OUTPUT_SNAPSHOT, {
+            "num_tokens": (self.num_tokens, 0, MAX_SNAPSHOT_TOKENS),
+            "num_sequences": (self.num_sequences, 0, self.num_tokens),
+            "separator": (self.separator, int(SEPARATOR), int(SEPARATOR)),
+            "tokenizer.vocab_size": (self.tokenizer.vocab_size, 1, MAX_VOCAB_SIZE),
+        })
+        if set(self.files) != {TOKENS}:
+            raise OUTPUT_SNAPSHOT.corrupt(directory, f"'files' lists {sorted(self.files)}, not [{TOKENS!r}]")
+
+
+def engine_snapshot_path(path: str | Path, engine_index: int) -> Path:
+    """Where data-parallel engine ``engine_index`` keeps its snapshots: ``path`` itself for the
+    first engine (the only one of most servers), ``PATH.dp<i>`` for the others."""
+    path = Path(path).expanduser()
+    return path if engine_index == 0 else path.with_name(f"{path.name}.dp{engine_index}")
+
+
+def snapshot_dirs(path: Path) -> list[Path]:
+    """The snapshots under ``path``, oldest first (none when it does not exist)."""
+    if not path.is_dir():
+        return []
+    found = [(int(match[1]), entry) for entry in path.iterdir() if (match := _SNAPSHOT.fullmatch(entry.name))]
+    return [entry for _, entry in sorted(found)]
+
+
+def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: TokenizerIdentity,
+                   capacity_tokens: int) -> Path:
+    """Save ``sequences`` (oldest first) as the next snapshot under ``path`` and delete the older
+    ones once it is in place; returns its directory."""
+    older = snapshot_dirs(path)
+    number = int(_SNAPSHOT.fullmatch(older[-1].name)[1]) + 1 if older else 0
+    target = path / f"snapshot-{number:08d}"
+    with atomic_directory(target, kind=OUTPUT_SNAPSHOT) as building:
+        num_tokens = _write_tokens(building / TOKENS, sequences)
+        SnapshotManifest(
+            format_version=FORMAT_VERSION, num_tokens=num_tokens, num_sequences=len(sequences),
+            token_dtype="uint32", separator=int(SEPARATOR), tokenizer=tokenizer,
+            files=file_records(building, [TOKENS]),
+            saved={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "capacity_tokens": capacity_tokens},
+        ).write(building)
+        _sync(building / "manifest.json")
+    for directory in older:
+        shutil.rmtree(directory, ignore_errors=True)
+    return target
+
+
+def _write_tokens(file: Path, sequences: Sequence[np.ndarray]) -> int:
+    """Write every sequence followed by a separator, synced to disk; returns the tokens written."""
+    separator = np.array([SEPARATOR], TOKEN_DTYPE)
+    with open(file, "wb") as handle:
+        for sequence in sequences:
+            handle.write(np.ascontiguousarray(sequence, dtype=TOKEN_DTYPE))
+            handle.write(separator)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return sum(len(sequence) + 1 for sequence in sequences)
+
+
+def _sync(file: Path) -> None:
+    with open(file, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def read_snapshot(path: Path, tokenizer: TokenizerIdentity) -> list[np.ndarray] | None:
+    """The sequences (read-only views of the memory-mapped tokens, oldest first) of the newest
+    snapshot under ``path``; None when there is none. ``OutputSnapshotError`` naming the file
+    when it is corrupt, truncated, of another format or saved with another tokenizer."""
+    saved = snapshot_dirs(path)
+    if not saved:
+        return None
+    directory = saved[-1]
+    manifest = SnapshotManifest.read(directory)
+    _refuse_another_tokenizer(directory, manifest.tokenizer, tokenizer)
+    tokens = map_array(directory / TOKENS, TOKEN_DTYPE, (manifest.num_tokens,), OUTPUT_SNAPSHOT)
+    verify_file_records(directory, manifest.files, OUTPUT_SNAPSHOT)
+    return _split(directory / TOKENS, tokens, manifest)
+
+
+def _refuse_another_tokenizer(directory: Path, saved: TokenizerIdentity, served: TokenizerIdentity) -> None:
+    if not saved.matches(served):
+        raise OUTPUT_SNAPSHOT.fail(
+            f"{directory / 'manifest.json'} was saved by a server with tokenizer {saved.name!r} (vocab "
+            f"{saved.vocab_size}, hash {saved.vocab_sha256[:12]}), but this one serves tokenizer {served.name!r} "
+            f"(vocab {served.vocab_size}, hash {served.vocab_sha256[:12]})"
+        )
+
+
+def _split(file: Path, tokens: np.ndarray, manifest: SnapshotManifest) -> list[np.ndarray]:
+    """The sequences between separators, after checking that there are ``num_sequences`` of
+    them, none empty, the last one closed, and every token id in the tokenizer's vocabulary."""
+    ends = np.flatnonzero(tokens == SEPARATOR)
+    starts = np.concatenate([[0], ends + 1])[:-1]
+    if len(ends) != manifest.num_sequences:
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: {len(ends)} separators for {manifest.num_sequences} "
+                                   "sequences")
+    if len(tokens) and (not len(ends) or ends[-1] != len(tokens) - 1):
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: it does not end with a separator")
+    if np.any(ends == starts):
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: it holds an empty sequence")
+    outside = np.flatnonzero((tokens >= manifest.tokenizer.vocab_size) & (tokens != SEPARATOR))
+    if len(outside):
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: token {int(tokens[outside[0]])} at {int(outside[0])} is "
+                                   f"not below the vocabulary size {manifest.tokenizer.vocab_size}")
+    return [tokens[start:end] for start, end in zip(starts.tolist(), ends.tolist())]
+
+
+class OutputIndexSnapshots:
+    """An output index kept on disk: :meth:`start` loads its snapshot (a refused one is logged
+    and the index starts empty) and, when ``writes``, saves it from a daemon thread every
+    ``interval_seconds`` when requests finished since the last save; :meth:`close` (also run at
+    interpreter exit) stops the thread and saves a last time. Saving never raises: a failed
+    save is logged and tried again at the next interval."""
+
+    def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
+                 *, writes: bool = True) -> None:
+        self.index = index
+        self.path = Path(path)
+        self.tokenizer = tokenizer
+        self.interval_seconds = interval_seconds
+        self.writes = writes
+        self.saves = 0
+        self._saved_changes = 0
+        self._save_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> bool:
+        """Load the snapshot and start saving; True when a snapshot was loaded."""
+        loaded = self.index.load(self.path, self.tokenizer)
+        self._saved_changes = self.index.stats.sequences_added
+        if self.writes:
+            self._thread = threading.Thread(target=self._save_periodically, daemon=True, name="vrs-output-snapshot")
+            self._thread.start()
+            atexit.register(self.close)
+        return loaded
+
+    def save_if_changed(self) -> bool:
+        """Save when requests finished since the last save; True when a snapshot was written."""
+        with self._save_lock:
+            changes = self.index.stats.sequences_added
+            if changes == self._saved_changes:
+                return False
+            try:
+                self.index.save(self.path, self.tokenizer)
+            except Exception as error:  # disk full, permissions, something in the way: serving goes on
+                logger.error("vllm_retrieval_spec: saving the output index to %s failed (%s); serving goes on and "
+                             "the next save tries again", self.path, error)
+                return False
+            self._saved_changes = changes
+            self.saves += 1
+            return True
+
+    def close(self) -> None:
+        """Stop the periodic saves and save a last time (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            atexit.unregister(self.close)
+        if self.writes:
+            self.save_if_changed()
+
+    def _save_periodically(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            self.save_if_changed()
