@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from vllm_retrieval_spec import PROPOSER_NAMES
-from vllm_retrieval_spec.validation import require_ints
+from vllm_retrieval_spec.validation import has_type, require_ints
 
 if TYPE_CHECKING:
     from vllm_retrieval_spec.options import RetrievalSpecOptions
@@ -61,7 +61,7 @@ def check_serve(vllm_args: Sequence[str]) -> None:
     configure_vllm_environment(in_process=False)
     options = _validate_options_early(vllm_args)
     speculative = _speculative_config(vllm_args)  # an unknown proposer is named before anything else
-    _check_engine_early(vllm_args, options)
+    _check_engine_early(vllm_args, speculative, options)
     _check_draft_count(speculative)
     _check_artifacts_early(vllm_args, options)
     _prepare_vllm_process()
@@ -95,14 +95,13 @@ def _validate_options_early(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
     return RetrievalSpecOptions.from_additional_config(_json_flag(vllm_args, "--additional-config"))
 
 
-def _check_engine_early(vllm_args: Sequence[str], options: RetrievalSpecOptions) -> None:
-    """Refuse a ``num_speculative_tokens`` or KV cache type our proposer cannot serve (the
-    engine's own check runs again when the proposer is built)."""
-    speculative = _json_flag(vllm_args, "--speculative-config")
-    if not isinstance(speculative, dict) or not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
+def _check_engine_early(vllm_args: Sequence[str], speculative: dict[str, Any], options: RetrievalSpecOptions) -> None:
+    """Refuse a ``num_speculative_tokens`` or KV cache type our proposer (of the parsed
+    ``--speculative-config``) cannot serve; the proposer checks again when the engine builds it."""
+    if not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
         return
     count = speculative.get("num_speculative_tokens")
-    if isinstance(count, bool) or not isinstance(count, int):
+    if not has_type(count, int):
         raise CommandLineError(
             f"--speculative-config needs an integer num_speculative_tokens for {speculative['model']}, got {count!r}"
         )
