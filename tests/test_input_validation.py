@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -228,9 +227,9 @@ def test_bigram_probabilities_must_be_probabilities(tmp_path, value):
     (("--w", "0"), "--w must be an integer >= 1, got 0"),
 ])
 def test_bad_ngram_table_options_fail_before_the_model_runs(model_dir, tmp_path, option, message):
-    start = time.perf_counter()
-    error_line(run_cli("ngram-table", "build", "--model", model_dir, "--out", tmp_path / "table", *option), message)
-    assert time.perf_counter() - start < 30 and not (tmp_path / "table").exists()
+    result = run_cli("ngram-table", "build", "--model", model_dir, "--out", tmp_path / "table", *option)
+    error_line(result, message)
+    assert "bigram" not in result.stderr and not (tmp_path / "table").exists()  # no vocabulary pass ran
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -278,11 +277,10 @@ def test_serve_refuses_an_unknown_proposer_class(config, message):
 
 
 def test_serve_refuses_an_unknown_proposer_at_once(model_dir):
-    start = time.perf_counter()
     config = json.dumps({"method": "custom_class", "model": "vllm_retrieval_spec.NoSuchProposer"})
-    error_line(run_cli("serve", model_dir, "--speculative-config", config), "'vllm_retrieval_spec.NoSuchProposer' "
-               "is no proposer of this package")
-    assert time.perf_counter() - start < 15
+    result = run_cli("serve", model_dir, "--speculative-config", config)
+    error_line(result, "'vllm_retrieval_spec.NoSuchProposer' is no proposer of this package")
+    assert "EngineCore" not in result.stdout + result.stderr  # refused before any engine started
 
 
 def test_serve_refuses_zero_drafts_for_any_proposer(model_dir):
@@ -316,11 +314,10 @@ def test_an_empty_input_directory_is_called_empty(model_dir, source_tree, tmp_pa
 ])
 def test_a_tokenizer_that_is_no_model_directory_is_named_at_once(source_tree, tmp_path, tokenizer, message):
     values = {"tmp": tmp_path, "src": source_tree}
-    start = time.perf_counter()
     result = run_cli("datastore", "build", "--tokenizer", tokenizer.format(**values), "--input", source_tree,
                      "--out", tmp_path / "store", env={"HF_HUB_OFFLINE": "0"})
     error_line(result, message.format(**values))
-    assert time.perf_counter() - start < 15  # no Hub lookups and retries
+    assert "huggingface.co" not in result.stderr and "etrying" not in result.stderr  # no Hub lookups or retries
 
 
 def test_a_model_name_is_not_a_model_directory(tmp_path):
