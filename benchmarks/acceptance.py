@@ -75,6 +75,14 @@ def _ours(proposer: str, k: int, **options) -> dict:
     }
 
 
+def _suffix(k: int) -> dict:
+    """vLLM ``suffix`` drafting up to ``k`` tokens: its trees as deep (24 by default, which is also
+    its default ``num_speculative_tokens``), so that ``k`` and not the tree caps its drafts."""
+    return {"speculative_config": {"method": "suffix", "num_speculative_tokens": k,
+                                   "suffix_decoding_max_tree_depth": max(k, 24)},
+            "requires": "arctic_inference"}
+
+
 def _ngram(k: int) -> dict:
     return {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
@@ -104,6 +112,9 @@ CONFIGS: dict[str, dict] = {
     **{f"ngrammys_tree_k{k}": _ours("NGrammysProposer", k, tree=True) for k in (8, 16, 32, 64)},
     # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
     **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
+    # Deep drafts (continuations as long as K by default) always drafted up to K.
+    **{f"rest_k{k}_fixed": _ours("RestProposer", k, budget="fixed") for k in (16, 32, 64)},
+    **{f"rest_tree_k{k}_fixed": _ours("RestProposer", k, tree=True, budget="fixed") for k in (32, 64)},
     # DReSD: dense neighbours merged with the context (default) or alone (use_context false).
     "dresd_k8": _ours("DReSDProposer", 8),
     "dresd_alone_k8": _ours("DReSDProposer", 8, use_context=False),
@@ -111,7 +122,7 @@ CONFIGS: dict[str, dict] = {
     # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
     "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
     # In-distribution stores: the model's own answers to standard-library prompts, built by the
-    # README's `datastore from-server` command into the cache (INDIST_STORE, INDIST_DENSE_STORE).
+    # `datastore from-server` command of docs/datastores.md into the cache (INDIST_STORE, INDIST_DENSE_STORE).
     "rest_indist_k8": _ours("RestProposer", 8, datastore=str(INDIST_STORE)),
     "rest_datastore_indist_k8": _ours("RestProposer", 8, use_context=False, datastore=str(INDIST_STORE)),
     "dresd_indist_k8": _ours("DReSDProposer", 8, dense_datastore=str(INDIST_DENSE_STORE)),
@@ -119,6 +130,8 @@ CONFIGS: dict[str, dict] = {
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
+    # suffix at other caps (its default is 24): the best K of suffix for a row's comparison.
+    **{f"suffix_k{k}": _suffix(k) for k in (8, 16, 32, 64)},
 }
 DEFAULT_CONFIGS = ["none", "rest_k8", "rest_datastore_k8", "rest_context_k8", "ngram_k4", "ngram_k8", "suffix"]
 
@@ -168,6 +181,8 @@ def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namesp
         "seconds": seconds,
         "tokens_per_second": summary.generated_tokens / seconds,
         "draft_tokens_per_request_step": summary.draft_tokens / max(summary.decode_steps, 1),
+        "accepted_tokens_per_request_step": summary.accepted_tokens / max(summary.decode_steps, 1),
+        "drafting_ms_per_step": drafting_ms_per_step(budget),
         **intervals(runs),
         "budget": budget,
         "output_ids": [r.output_ids for r in runs[0].records],
@@ -201,6 +216,13 @@ def t_interval(values: list[float]) -> list[float] | None:
         return None
     half = T_975.get(len(values) - 1, 1.96) * float(np.std(values, ddof=1)) / np.sqrt(len(values))
     return [float(np.mean(values) - half), float(np.mean(values) + half)]
+
+
+def drafting_ms_per_step(budget: dict | None) -> float | None:
+    """Our drafter's search and drafting time per step that drafted (budget auto only)."""
+    if budget is None or not budget["stats"]["steps"]:
+        return None
+    return budget["stats"]["drafting_seconds"] / budget["stats"]["steps"] * 1e3
 
 
 def budget_report(llm, concurrency: int) -> dict | None:
@@ -276,7 +298,8 @@ def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
 
 def print_table(report: dict) -> None:
     header = (f"{'config':22s} {'honest':>7s} {'95% CI':>13s} {'vLLM MAL':>9s} {'accept':>7s} {'drafts':>7s} "
-              f"{'tok/s':>7s} {'95% CI':>13s} {'vs none':>8s} {'vs suffix':>9s} {'differ':>7s}")
+              f"{'acc/st':>6s} {'draft ms':>8s} {'tok/s':>7s} {'95% CI':>13s} {'vs none':>8s} {'vs suffix':>9s} "
+              f"{'differ':>7s}")
     print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
           f"concurrency {report['concurrency']}, temperature {report['temperature']}, top-p {report['top_p']}, "
           f"repeats {report['repeats']}")
@@ -287,9 +310,15 @@ def print_table(report: dict) -> None:
         vs_suffix = f"{r['speedup_vs_suffix']:.2f}x" if r["speedup_vs_suffix"] else "-"
         differ = "-" if r["prompts_differing_from_none"] is None else str(r["prompts_differing_from_none"])
         print(f"{r['config']:22s} {r['honest_tokens_per_step']:7.2f} {_interval(r['honest_ci95']):>13s} "
-              f"{mal:>9s} {rate:>7s} {r['draft_tokens_per_request_step']:7.2f} {r['tokens_per_second']:7.1f} "
+              f"{mal:>9s} {rate:>7s} {r['draft_tokens_per_request_step']:7.2f} "
+              f"{r['accepted_tokens_per_request_step']:6.2f} {_number(r['drafting_ms_per_step'], 2):>8s} "
+              f"{r['tokens_per_second']:7.1f} "
               f"{_interval(r['tokens_per_second_ci95'], 1):>13s} {r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} "
               f"{differ:>7s}")
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _interval(bounds: list[float] | None, digits: int = 2) -> str:
@@ -305,7 +334,8 @@ def resolve_configs(requested: list[str], repeat_baseline: bool) -> list[str]:
             sys.exit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
         needed = CONFIGS[name].get("requires")
         if needed and importlib.util.find_spec(needed) is None:
-            print(f"skipping {name}: it needs `{needed}` (see README, 'Benchmarks')", file=sys.stderr)
+            print(f"skipping {name}: it needs `{needed}` (benchmarks/results/README.md, 'Benchmarks')",
+                  file=sys.stderr)
             continue
         available.append(name)
     return available

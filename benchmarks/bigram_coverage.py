@@ -36,7 +36,7 @@ def coverage(table: NgramTable, traces: list[GreedyTrace]) -> dict[str, list[flo
     previous, target = np.array(previous), np.array(target)
     ranks = table.bigram_tokens[previous]  # [n, k]
     hits = ranks == target[:, None]
-    result = {"bigram": [float(hits[:, :k].any(axis=1).mean()) for k in KS if k <= table.k]}
+    result = {"bigram": [float(hits[:, :k].any(axis=1).mean()) for k in KS if k <= table.max_drafts]}
     if table.unigram_ranking is not None:
         position = np.empty_like(table.unigram_ranking)
         position[table.unigram_ranking] = np.arange(len(position))
@@ -53,7 +53,7 @@ def main() -> None:
 
     model = ensure_smollm2_checkpoint()
     table = NgramTable.open(default_table_dir(ModelIdentity.of(model)), expected_model=ModelIdentity.of(model))
-    report = {"ks": list(KS), "table_k": table.k}
+    report = {"ks": list(KS), "table_k": table.max_drafts}
     figure, axis = plt.subplots(figsize=(6, 4))
     for form in ("raw", "chat"):
         report[form] = coverage(table, greedy_traces(model, form, 164, 128))

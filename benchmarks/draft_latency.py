@@ -118,7 +118,7 @@ def time_ours(store, batches: list[Batch], rest_params: dict, k: int,
 
         def lookup(batch: Batch, threads: int = threads) -> object:
             rows = np.arange(len(batch[1]), dtype=np.int32)
-            return context_ngram(batch[0], batch[1], rows, k=1, w=k, q_min=1, q_max=4, max_matches=64,
+            return context_ngram(batch[0], batch[1], rows, num_drafts=1, draft_len=k, q_min=1, q_max=4, max_matches=64,
                                  num_threads=threads)
 
         variants["rest" + suffix] = (rest, rest_drafts)

@@ -56,7 +56,8 @@ def prompt_lookup_drafter(draft_len: int, q_max: int) -> TreeDrafter:
     """Prompt lookup chains of ``draft_len`` tokens, matching context suffixes of up to ``q_max`` tokens."""
 
     def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
-        out = context_ngram(matrix, lengths, np.arange(len(lengths)), k=1, w=draft_len, q_min=1, q_max=q_max)
+        out = context_ngram(matrix, lengths, np.arange(len(lengths)), num_drafts=1, draft_len=draft_len,
+                            q_min=1, q_max=q_max)
         return [chain_as_tree(out.draft(i)) for i in range(len(lengths))]
 
     return draft
@@ -69,7 +70,8 @@ def ngrammys_drafter(table: NgramTable, options: RetrievalSpecOptions, draft_len
 
     def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
         drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
-                              k=options.ngrammys_drafts, w=draft_len, q=options.ngrammys_context_len,
+                              num_drafts=options.ngrammys_drafts, draft_len=draft_len,
+                              context_len=options.ngrammys_context_len,
                               mixing=options.ngrammys_mixing)
         if tree:
             cut = nodes or None

@@ -7,7 +7,7 @@ HumanEval. Functions named like a HumanEval entry point are left out; ``--seed``
 
     python benchmarks/stdlib_prompts.py --count 200 --form both --out benchmarks/prompts/stdlib.jsonl
 
-Then answer them with any server and build the stores (see README, "Datastores"):
+Then answer them with any server and build the stores (see docs/datastores.md):
 
     vllm-retrieval-spec datastore from-server --url http://127.0.0.1:8000 --prompts
         benchmarks/prompts/stdlib.jsonl --out DIR --model MODEL_DIR --dense   (one command line)

@@ -165,7 +165,7 @@ void check_rest_params(const vrs::RestParams& prm) {
   if (prm.output_max_matches < 0)
     throw std::invalid_argument("need output_max_matches >= 0");
   if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0) || !(prm.output_weight >= 0) ||
-      !(prm.dense_weight >= 0))
+      !(prm.dense_weight >= 0) || !(prm.live_weight >= 0))
     throw std::invalid_argument("weights must be >= 0");
 }
 
@@ -188,7 +188,7 @@ struct RestArrays {
         chain_size(new_array<int32_t, 1>({rows}, 0)),
         chain_prob(new_array<float, 2>({rows, static_cast<size_t>(prm.chain_len)}, 0)),
         chain_source(new_array<int8_t, 2>({rows, static_cast<size_t>(prm.chain_len)}, 0)),
-        match_info(new_array<int32_t, 2>({rows, 5}, 0)) {
+        match_info(new_array<int32_t, 2>({rows, static_cast<size_t>(vrs::kMatchInfo)}, 0)) {
     if (prm.top_k > 0) {
       const size_t k = static_cast<size_t>(prm.top_k);
       tree_tokens = new_array<int32_t, 2>({rows, k}, -1);
@@ -211,7 +211,7 @@ struct RestArrays {
             row_of(tree_size, r, 1),           row_of(tree_prob, r, prm.top_k),
             row_of(tree_source, r, prm.top_k), chain_tokens.data() + chain,
             chain_size.data() + r,             chain_prob.data() + chain,
-            chain_source.data() + chain,       match_info.data() + r * 5,
+            chain_source.data() + chain,       match_info.data() + r * vrs::kMatchInfo,
             row_of(timings, r, 4)};
   }
 
@@ -232,42 +232,97 @@ struct RestArrays {
   }
 };
 
-using DenseTokens = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
+using GivenTokens = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
 
-// The given dense continuations of every requested row ([rows, k, len] tokens, [rows, k]
-// lengths in [0, len]), checked; none when absent.
-struct DenseInput {
+// Continuations the caller found for every requested row ([rows, k, len] tokens, [rows, k]
+// lengths in [0, len], optional [rows] match lengths), checked; none when absent. `name` is
+// the source's argument prefix (dense, live).
+struct GivenInput {
   const int32_t* tokens = nullptr;
   const int32_t* lengths = nullptr;
+  const int32_t* match_len = nullptr;
   int k = 0;
   int len = 0;
 
-  DenseInput(const std::optional<DenseTokens>& dense_tokens,
-             const std::optional<TokenMatrix<Cpu>>& dense_lengths, size_t num_rows) {
-    if (!dense_tokens && !dense_lengths) return;
-    if (!dense_tokens || !dense_lengths || dense_tokens->shape(0) != num_rows ||
-        dense_lengths->shape(0) != num_rows || dense_lengths->shape(1) != dense_tokens->shape(1))
-      throw std::invalid_argument("dense_tokens [rows, k, len] and dense_lengths [rows, k] go together, "
-                                  "one row per requested row");
-    k = static_cast<int>(dense_tokens->shape(1));
-    len = static_cast<int>(dense_tokens->shape(2));
-    tokens = dense_tokens->data();
-    lengths = dense_lengths->data();
+  GivenInput(const std::string& name, const std::optional<GivenTokens>& given_tokens,
+             const std::optional<TokenMatrix<Cpu>>& given_lengths,
+             const std::optional<ConstVector<Cpu>>& given_match_len, size_t num_rows) {
+    if (!given_tokens && !given_lengths && !given_match_len) return;
+    if (!given_tokens || !given_lengths || given_tokens->shape(0) != num_rows ||
+        given_lengths->shape(0) != num_rows || given_lengths->shape(1) != given_tokens->shape(1) ||
+        (given_match_len && given_match_len->shape(0) != num_rows))
+      throw std::invalid_argument(name + "_tokens [rows, k, len] and " + name + "_lengths [rows, k] (and " + name +
+                                  "_match_len [rows]) go together, one row per requested row");
+    k = static_cast<int>(given_tokens->shape(1));
+    len = static_cast<int>(given_tokens->shape(2));
+    tokens = given_tokens->data();
+    lengths = given_lengths->data();
+    match_len = given_match_len ? given_match_len->data() : nullptr;
     for (size_t i = 0; i < num_rows * k; ++i)
       if (lengths[i] < 0 || lengths[i] > len)
-        throw std::invalid_argument("dense_lengths must lie in [0, len]");
+        throw std::invalid_argument(name + "_lengths must lie in [0, len]");
+    for (size_t i = 0; match_len != nullptr && i < num_rows; ++i)
+      if (match_len[i] < 0) throw std::invalid_argument(name + "_match_len must be >= 0");
   }
 
-  // Row r's candidates, or nullptr.
-  std::optional<vrs::DenseCandidates> row(int64_t r) const {
+  // Row r's continuations, or none.
+  std::optional<vrs::GivenContinuations> row(int64_t r) const {
     if (tokens == nullptr) return std::nullopt;
-    return vrs::DenseCandidates{tokens + r * k * len, lengths + r * k, k, len};
+    return vrs::GivenContinuations{tokens + r * k * len, lengths + r * k, k, len,
+                                   match_len == nullptr ? 0 : match_len[r]};
+  }
+};
+
+using ChanceArray = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, Cpu>;
+using BucketVector = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, Cpu>;
+
+// The calibration's chance table (values in [0, 1]) with its match-length and depth bucket
+// lookups (each entry a valid bucket), checked; none when absent.
+std::optional<vrs::ChanceTable> chance_table_of(const std::optional<ChanceArray>& chance,
+                                                const std::optional<BucketVector>& length_bucket,
+                                                const std::optional<BucketVector>& depth_bucket) {
+  if (!chance && !length_bucket && !depth_bucket) return std::nullopt;
+  if (!chance || !length_bucket || !depth_bucket)
+    throw std::invalid_argument("chance_table, length_bucket and depth_bucket go together");
+  const vrs::ChanceTable table{chance->data(), static_cast<int>(chance->shape(0)),
+                               static_cast<int>(chance->shape(1)), static_cast<int>(chance->shape(2)),
+                               static_cast<int>(chance->shape(3)), length_bucket->data(),
+                               static_cast<int>(length_bucket->shape(0)), depth_bucket->data(),
+                               static_cast<int>(depth_bucket->shape(0))};
+  if (table.sources < 64 || table.lengths < 1 || table.depths < 1 || table.probs < 1 ||
+      table.num_length_keys < 1 || table.num_depth_keys < 1)
+    throw std::invalid_argument("chance_table must be [>= 64 sources, lengths, depths, probs] and the bucket "
+                                "lookups non-empty");
+  const size_t size = chance->size();
+  for (size_t i = 0; i < size; ++i)
+    if (!(table.chance[i] >= 0.0f && table.chance[i] <= 1.0f))
+      throw std::invalid_argument("chance_table values must lie in [0, 1]");
+  for (int i = 0; i < table.num_length_keys; ++i)
+    if (table.length_bucket[i] < 0 || table.length_bucket[i] >= table.lengths)
+      throw std::invalid_argument("length_bucket entries must lie in [0, chance_table.shape[1])");
+  for (int i = 0; i < table.num_depth_keys; ++i)
+    if (table.depth_bucket[i] < 0 || table.depth_bucket[i] >= table.depths)
+      throw std::invalid_argument("depth_bucket entries must lie in [0, chance_table.shape[2])");
+  return table;
+}
+
+// What rest_retrieve takes beside the store and the rows: given continuations and the table.
+struct RestInputs {
+  GivenInput dense;
+  GivenInput live;
+  std::optional<vrs::ChanceTable> table;
+
+  vrs::RestExtras extras(int64_t r, std::optional<vrs::GivenContinuations>& dense_row,
+                         std::optional<vrs::GivenContinuations>& live_row) const {
+    dense_row = dense.row(r);
+    live_row = live.row(r);
+    return {dense_row ? &*dense_row : nullptr, live_row ? &*live_row : nullptr, table ? &*table : nullptr};
   }
 };
 
 template <typename Tok, typename Idx>
 void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* output,
-              const DenseInput& dense, const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
+              const RestInputs& inputs, const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
               const ConstVector<Cpu>& rows, const vrs::RestParams& prm, RestArrays& out,
               int num_threads) {
   const int64_t row_len = static_cast<int64_t>(tokens.shape(1));
@@ -279,9 +334,9 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* o
   vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
-    const std::optional<vrs::DenseCandidates> candidates = dense.row(r);
-    vrs::rest_retrieve_one(index, output, candidates ? &*candidates : nullptr,
-                           token_data + row * row_len, length_data[row], prm, trie, out.row(r, prm));
+    std::optional<vrs::GivenContinuations> dense_row, live_row;
+    vrs::rest_retrieve_one(index, output, inputs.extras(r, dense_row, live_row), token_data + row * row_len,
+                           length_data[row], prm, trie, out.row(r, prm));
   });
 }
 
@@ -304,20 +359,26 @@ std::optional<vrs::OutputIndex> output_index_of(const SuffixStore* output) {
 }
 
 nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, TokenMatrix<Cpu> tokens,
-                       ConstVector<Cpu> lengths, ConstVector<Cpu> rows,
-                       const vrs::RestParams& prm, std::optional<DenseTokens> dense_tokens,
-                       std::optional<TokenMatrix<Cpu>> dense_lengths, bool profile, int num_threads) {
+                       ConstVector<Cpu> lengths, ConstVector<Cpu> rows, const vrs::RestParams& prm,
+                       std::optional<GivenTokens> dense_tokens, std::optional<TokenMatrix<Cpu>> dense_lengths,
+                       std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
+                       std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
+                       std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
+                       bool profile, int num_threads) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
-  const DenseInput dense(dense_tokens, dense_lengths, rows.shape(0));
-  RestArrays out(rows.shape(0), prm, profile);
+  const size_t num_rows = rows.shape(0);
+  const RestInputs inputs{GivenInput("dense", dense_tokens, dense_lengths, std::nullopt, num_rows),
+                          GivenInput("live", live_tokens, live_lengths, live_match_len, num_rows),
+                          chance_table_of(chance_table, length_bucket, depth_bucket)};
+  RestArrays out(num_rows, prm, profile);
   const std::optional<vrs::OutputIndex> output_index = output_index_of(output);
   const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
   if (store == nullptr || !prm.use_datastore) {
-    run_rest<uint16_t, int32_t>(nullptr, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
+    run_rest<uint16_t, int32_t>(nullptr, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
   } else {
     visit_index(*store, [&](const auto& index) {
-      run_rest(&index, out_index, dense, tokens, lengths, rows, prm, out, num_threads);
+      run_rest(&index, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
     });
   }
   return out.as_dict();
@@ -380,7 +441,8 @@ void bind_rest(nb::module_& m) {
       .def_rw("context_max_matches", &vrs::RestParams::context_max_matches)
       .def_rw("output_weight", &vrs::RestParams::output_weight)
       .def_rw("output_max_matches", &vrs::RestParams::output_max_matches)
-      .def_rw("dense_weight", &vrs::RestParams::dense_weight);
+      .def_rw("dense_weight", &vrs::RestParams::dense_weight)
+      .def_rw("live_weight", &vrs::RestParams::live_weight);
   nb::class_<SuffixStore>(m, "SuffixStore",
                           "A datastore's token array, suffix array and optional first-token "
                           "offsets, as REST reads them (checked once, kept alive).")
@@ -400,14 +462,17 @@ void bind_rest(nb::module_& m) {
         "separator or -1) of a uint16/uint32 token array (GIL released).");
   m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
         nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("dense_tokens").none() = nb::none(),
-        nb::arg("dense_lengths").none() = nb::none(), nb::arg("profile") = false,
-        nb::arg("num_threads") = 0,
+        nb::arg("dense_lengths").none() = nb::none(), nb::arg("live_tokens").none() = nb::none(),
+        nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
+        nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
+        nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
         "REST drafts for tokens[rows]: datastore (unless store is None or params.use_datastore "
-        "is false) + output index (unless output is None) + context trie, top-k subtree and best "
-        "chain (CPU threads, GIL released). Returns a dict of new arrays: tree_tokens, "
-        "tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None when "
-        "top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "
-        "[rows], match_info [rows, 5], timings_ns [rows, 4] (None unless profile).");
+        "is false) + output index (unless output is None) + given dense and live continuations + "
+        "context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
+        "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
+        "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "
+        "when top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "
+        "[rows], match_info [rows, 6], timings_ns [rows, 4] (None unless profile).");
 }
 
 // ---- Merging drafts into trees (draft_merge.h) ----

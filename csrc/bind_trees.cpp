@@ -34,6 +34,8 @@ using DoubleMatrix = nb::ndarray<double, nb::ndim<2>, nb::c_contig, Device>;
 template <typename Device>
 using SeedVector = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, Device>;
 template <typename Device>
+using PositionVector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, Device>;
+template <typename Device>
 using MaskMatrix = nb::ndarray<uint64_t, nb::ndim<2>, nb::c_contig, Device>;
 
 // Values scanned worth one thread (about what waking one costs many times over).
@@ -127,6 +129,7 @@ struct TreeAcceptArgs {
   Output<Device, 1> num_accepted;
   SamplingArgs<Device> sampling;
   SparseDraftArgs<Device> draft;
+  std::optional<PositionVector<Device>> positions;  // [B]: the keyed rule's root positions
 
   // Checks the shapes; returns the batch view the kernels read.
   vrs::TreeBatch batch() const {
@@ -156,6 +159,12 @@ struct TreeAcceptArgs {
       batch.temperature = sampling.temperature->data();
       batch.top_k = sampling.top_k->data();
       batch.top_p = sampling.top_p->data();
+    }
+    if (positions) {
+      if (positions->shape(0) != trees)
+        throw std::invalid_argument("positions must have B = " + std::to_string(trees) +
+                                    " entries (one per request)");
+      batch.positions = positions->data();
     }
     if (draft.tokens.has_value() != draft.probs.has_value())
       throw std::invalid_argument("draft_tokens and draft_values must be given together");
@@ -466,10 +475,12 @@ void bind_trees(nb::module_& m) {
          Output<Cpu, 2> path_nodes, Output<Cpu, 1> num_accepted, int num_threads,
          std::optional<FloatVector<Cpu>> temperature, std::optional<ConstVector<Cpu>> top_k,
          std::optional<FloatVector<Cpu>> top_p, std::optional<TokenMatrix<Cpu>> draft_tokens,
-         std::optional<FloatMatrix<Cpu>> draft_values) {
+         std::optional<FloatMatrix<Cpu>> draft_values,
+         std::optional<PositionVector<Cpu>> positions) {
         return accept_trees_cpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
                                  out_tokens, path_nodes, num_accepted,
-                                 {temperature, top_k, top_p}, {draft_tokens, draft_values}},
+                                 {temperature, top_k, top_p}, {draft_tokens, draft_values},
+                                 positions},
                                 num_threads);
       },
       nb::arg("scores"), nb::arg("draft_probs").none(), nb::arg("tokens"), nb::arg("parents"),
@@ -477,11 +488,12 @@ void bind_trees(nb::module_& m) {
       nb::arg("path_nodes"), nb::arg("num_accepted"), nb::arg("num_threads") = 0,
       nb::arg("temperature").none() = nb::none(), nb::arg("top_k").none() = nb::none(),
       nb::arg("top_p").none() = nb::none(), nb::arg("draft_tokens").none() = nb::none(),
-      nb::arg("draft_values").none() = nb::none(),
-      "Tree verification (greedy, deterministic candidates, MCSS with/without replacement), "
-      "CPU threads over requests, GIL released; fills the outputs. With temperature, top_k and "
-      "top_p [B], scores are logits and rules 1-3 verify against the lazy target rows; "
-      "draft_tokens/draft_values [N + B, M] are sparse draft rows (instead of draft_probs).");
+      nb::arg("draft_values").none() = nb::none(), nb::arg("positions").none() = nb::none(),
+      "Tree verification (greedy, deterministic candidates, MCSS with/without replacement, "
+      "keyed), CPU threads over requests, GIL released; fills the outputs. With temperature, "
+      "top_k and top_p [B], scores are logits and rules 1-4 verify against the lazy target rows; "
+      "draft_tokens/draft_values [N + B, M] are sparse draft rows (instead of draft_probs); "
+      "positions [B] int64: each keyed request's root position.");
   m.def(
       "target_rows",
       [](FloatMatrix<Cpu> logits, FloatVector<Cpu> temperature, ConstVector<Cpu> top_k,
@@ -513,10 +525,12 @@ void bind_trees(nb::module_& m) {
          std::optional<TokenMatrix<Cuda>> draft_tokens,
          std::optional<FloatMatrix<Cuda>> draft_values, std::optional<Workspace> row_workspace,
          std::optional<TokenWorkspace> sparse_token_workspace,
-         std::optional<DraftWorkspace> sparse_value_workspace) {
+         std::optional<DraftWorkspace> sparse_value_workspace,
+         std::optional<PositionVector<Cuda>> positions) {
         return accept_trees_gpu({scores, draft_probs, tokens, parents, offsets, rules, seeds,
                                  out_tokens, path_nodes, num_accepted,
-                                 {temperature, top_k, top_p}, {draft_tokens, draft_values}},
+                                 {temperature, top_k, top_p}, {draft_tokens, draft_values},
+                                 positions},
                                 {p_workspace, q_workspace, row_workspace, sparse_token_workspace,
                                  sparse_value_workspace},
                                 stream);
@@ -530,10 +544,12 @@ void bind_trees(nb::module_& m) {
       nb::arg("draft_values").none() = nb::none(), nb::arg("row_workspace").none() = nb::none(),
       nb::arg("sparse_token_workspace").none() = nb::none(),
       nb::arg("sparse_value_workspace").none() = nb::none(),
+      nb::arg("positions").none() = nb::none(),
       "accept_trees on a CUDA device (one block per request); p_workspace [B, V] float64 for "
       "rules 1-3, q_workspace [B, V] float32 for rule 3 with draft_probs, row_workspace [B, V] "
       "float64 for lazy target rows or sparse draft rows, sparse_token_workspace / "
-      "sparse_value_workspace [B, max(M, 1)] int32 / float32 for sparse draft rows.");
+      "sparse_value_workspace [B, max(M, 1)] int32 / float32 for sparse draft rows, positions "
+      "[B] int64 for the keyed rule.");
   m.def(
       "target_rows",
       [](FloatMatrix<Cuda> logits, FloatVector<Cuda> temperature, ConstVector<Cuda> top_k,

@@ -97,4 +97,5 @@ NB_MODULE(_C, m) {
         "RuntimeError; returns the hash of the thread that ran each item.");
   vrs_bind::bind_drafting(m);
   vrs_bind::bind_trees(m);
+  vrs_bind::bind_live(m);
 }

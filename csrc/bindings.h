@@ -46,5 +46,6 @@ int64_t check_rows(const TokenMatrix<nb::device::cpu>& tokens,
 
 void bind_drafting(nb::module_& m);
 void bind_trees(nb::module_& m);
+void bind_live(nb::module_& m);
 
 }  // namespace vrs_bind

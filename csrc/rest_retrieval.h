@@ -1,6 +1,7 @@
 // REST retrieval (algorithms.md §1) for one request: longest-suffix match in a suffix-array
 // datastore and in the request's own context, continuations merged into one weighted trie,
-// the top_k heaviest nodes as a subtree (flattened parents-first) and the heaviest chain.
+// the top_k best nodes as a subtree (flattened parents-first) and the best chain. Nodes rank by
+// trie weight, or, given a ChanceTable, by calibrated path chance (then weight).
 #pragma once
 
 #include <algorithm>
@@ -30,15 +31,38 @@ struct RestParams {
   double output_weight = 0;     // weight of one continuation from the output index
   int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
   double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours)
+  double live_weight = 0;       // weight of one given continuation from requests in flight
 };
 
-// Continuations found elsewhere (DReSD's dense neighbours) for one request: k rows of up to
-// len tokens, row i holding lengths[i] of them (0: none).
-struct DenseCandidates {
+// Continuations found elsewhere (DReSD's dense neighbours, the live index of requests in flight)
+// for one request: k rows of up to len tokens, row i holding lengths[i] of them (0: none), found
+// with a match of match_len tokens (0: unknown).
+struct GivenContinuations {
   const int32_t* tokens;   // [k, len]
   const int32_t* lengths;  // [k]
   int k;
   int len;
+  int match_len;
+};
+
+// Calibrated chance that a node is accepted given its parent is, per (source flags, match-length
+// bucket, depth bucket, raw-probability bucket): goodput/calibration.py's table, values in [0, 1].
+struct ChanceTable {
+  const float* chance;           // [sources, lengths, depths, probs], C order
+  int sources, lengths, depths, probs;
+  const int32_t* length_bucket;  // [num_length_keys]: a match length's bucket (longer: the last key's)
+  int num_length_keys;
+  const int32_t* depth_bucket;   // [num_depth_keys]: a depth's bucket (0 = a child of the root)
+  int num_depth_keys;
+
+  double conditional(int8_t source, int match_len, int depth, float prob) const {
+    const int length = length_bucket[std::min(match_len, num_length_keys - 1)];
+    const int deep = depth_bucket[std::min(depth, num_depth_keys - 1)];
+    const int raw = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(prob * static_cast<float>(probs)),
+                                                         0, probs - 1));
+    const int64_t flat = ((static_cast<int64_t>(source % sources) * lengths + length) * depths + deep) * probs + raw;
+    return static_cast<double>(chance[flat]);
+  }
 };
 
 // Per-request outputs (views into the caller's arrays).
@@ -52,8 +76,8 @@ struct RestOutput {
   int32_t* chain_size;    // scalar
   float* chain_prob;      // [chain_len], as tree_prob
   int8_t* chain_source;   // [chain_len], as tree_source
-  int32_t* match_info;    // [5]: datastore match length, context match length, datastore matches,
-                          //      output-index match length, output-index matches
+  int32_t* match_info;    // [kMatchInfo]: datastore match length, context match length, datastore
+                          //  matches, output-index match length, output-index matches, live match length
   int64_t* timings_ns;    // [4] or nullptr: search, gather, trie, select
 };
 
@@ -141,6 +165,22 @@ constexpr int8_t kFromDatastore = 1;
 constexpr int8_t kFromContext = 2;
 constexpr int8_t kFromOutput = 8;  // 4 is the model's n-gram tables (N-Grammys, Python side)
 constexpr int8_t kFromDense = 16;
+constexpr int8_t kFromLive = 32;
+constexpr int kMatchInfo = 6;
+
+// Each source's match length for one request (a node takes the longest of its sources').
+struct MatchLengths {
+  int datastore = 0, context = 0, output = 0, live = 0;
+
+  int of(int8_t flags) const {
+    int longest = 0;
+    if (flags & kFromDatastore) longest = std::max(longest, datastore);
+    if (flags & kFromContext) longest = std::max(longest, context);
+    if (flags & kFromOutput) longest = std::max(longest, output);
+    if (flags & kFromLive) longest = std::max(longest, live);
+    return longest;
+  }
+};
 
 // Where a selected trie node goes: its token, parent position, weight ratio and sources.
 struct NodeOutput {
@@ -164,12 +204,17 @@ class ContinuationTrie {
     int32_t context_count = 0;
     int32_t output_count = 0;
     int32_t dense_count = 0;
+    int32_t live_count = 0;
   };
 
-  void reset(double context_weight, double output_weight, double dense_weight) {
-    context_weight_ = context_weight;
-    output_weight_ = output_weight;
-    dense_weight_ = dense_weight;
+  // An empty trie weighing each source by prm; nodes rank by calibrated path chance when
+  // table is given, else by weight.
+  void reset(const RestParams& prm, const ChanceTable* table) {
+    context_weight_ = prm.context_weight;
+    output_weight_ = prm.output_weight;
+    dense_weight_ = prm.dense_weight;
+    live_weight_ = prm.live_weight;
+    table_ = table;
     nodes_.clear();
     nodes_.push_back(Node{-1, -1, -1, -1, -1, 0});
   }
@@ -197,11 +242,28 @@ class ContinuationTrie {
   double weight(int32_t node) const {
     const Node& n = nodes_[node];
     return n.datastore_count + context_weight_ * n.context_count + output_weight_ * n.output_count +
-           dense_weight_ * n.dense_count;
+           dense_weight_ * n.dense_count + live_weight_ * n.live_count;
   }
 
-  // Strict total order: heavier first, then shallower, then smaller token, then older node.
+  // With a chance table: every node's calibrated path chance (the product of its and its
+  // ancestors' conditional chances), given each source's match length. Call before selecting.
+  void score(const MatchLengths& lengths) {
+    if (table_ == nullptr) return;
+    path_.resize(nodes_.size());
+    conditional_.resize(nodes_.size());
+    path_[0] = conditional_[0] = 1.0;
+    for (size_t i = 1; i < nodes_.size(); ++i) {  // a parent is older than its children
+      const Node& n = nodes_[i];
+      const int8_t flags = source_flags(n);
+      conditional_[i] = table_->conditional(flags, lengths.of(flags), n.depth - 1, ratio(static_cast<int32_t>(i)));
+      path_[i] = path_[n.parent] * conditional_[i];
+    }
+  }
+
+  // Strict total order: higher path chance first (with a chance table), then heavier, then
+  // shallower, then smaller token, then older node.
   bool ranks_before(int32_t a, int32_t b) const {
+    if (table_ != nullptr && path_[a] != path_[b]) return path_[a] > path_[b];
     const double wa = weight(a), wb = weight(b);
     if (wa != wb) return wa > wb;
     if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
@@ -209,9 +271,10 @@ class ContinuationTrie {
     return a < b;
   }
 
-  // The top_k heaviest nodes, written breadth-first (by depth, then rank) with parent
-  // positions; returns the count. Every node ranks after its parent, so the top_k form a
-  // subtree and a best-first expansion from the root finds them without sorting the trie.
+  // The top_k best-ranked nodes, written breadth-first (by depth, then rank) with parent
+  // positions; returns the count. Every node ranks after its parent (chances are at most 1),
+  // so the top_k form a subtree and a best-first expansion from the root finds them without
+  // sorting the trie.
   int select_tree(int top_k, NodeOutput out) {
     if (top_k <= 0) return 0;
     auto worse = [this](int32_t a, int32_t b) { return ranks_before(b, a); };
@@ -247,7 +310,8 @@ class ContinuationTrie {
     return k;
   }
 
-  // From the root, follow the best-ranked child while it keeps min_ratio of its parent's weight.
+  // From the root, follow the best-ranked child while its chance given its parent is at least
+  // min_ratio: its calibrated chance with a table, else its weight over its parent's.
   int select_chain(int chain_len, double min_ratio, NodeOutput out) const {
     int len = 0;
     int32_t cur = 0;
@@ -255,7 +319,8 @@ class ContinuationTrie {
       int32_t best = -1;
       for (int32_t c = nodes_[cur].first_child; c >= 0; c = nodes_[c].next_sibling)
         if (best < 0 || ranks_before(c, best)) best = c;
-      if (best < 0 || weight(best) < min_ratio * weight(cur)) break;
+      if (best < 0 || (table_ != nullptr ? conditional_[best] < min_ratio : weight(best) < min_ratio * weight(cur)))
+        break;
       write(out, len++, best);
       cur = best;
     }
@@ -265,14 +330,20 @@ class ContinuationTrie {
   size_t size() const { return nodes_.size(); }
 
  private:
+  // A node's weight over its parent's: the drafter's raw acceptance guess.
+  float ratio(int32_t node) const { return static_cast<float>(weight(node) / weight(nodes_[node].parent)); }
+
+  static int8_t source_flags(const Node& n) {
+    return static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
+                               (n.context_count > 0 ? kFromContext : 0) |
+                               (n.output_count > 0 ? kFromOutput : 0) | (n.dense_count > 0 ? kFromDense : 0) |
+                               (n.live_count > 0 ? kFromLive : 0));
+  }
+
   void write(NodeOutput out, int i, int32_t node) const {
-    const Node& n = nodes_[node];
-    out.tokens[i] = n.token;
-    out.prob[i] = static_cast<float>(weight(node) / weight(n.parent));
-    out.source[i] = static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
-                                        (n.context_count > 0 ? kFromContext : 0) |
-                                        (n.output_count > 0 ? kFromOutput : 0) |
-                                        (n.dense_count > 0 ? kFromDense : 0));
+    out.tokens[i] = nodes_[node].token;
+    out.prob[i] = ratio(node);
+    out.source[i] = source_flags(nodes_[node]);
   }
 
   void count(int32_t node, int8_t source) {
@@ -280,6 +351,7 @@ class ContinuationTrie {
     if (source == kFromContext) ++n.context_count;
     else if (source == kFromOutput) ++n.output_count;
     else if (source == kFromDense) ++n.dense_count;
+    else if (source == kFromLive) ++n.live_count;
     else ++n.datastore_count;
   }
 
@@ -300,7 +372,11 @@ class ContinuationTrie {
   double context_weight_ = 1.0;
   double output_weight_ = 1.0;
   double dense_weight_ = 1.0;
+  double live_weight_ = 1.0;
+  const ChanceTable* table_ = nullptr;
   std::vector<Node> nodes_;
+  std::vector<double> path_;         // calibrated path chance per node (with a table)
+  std::vector<double> conditional_;  // calibrated chance given the parent per node (with a table)
   std::vector<uint16_t> buffer16_;
   std::vector<uint32_t> buffer32_;
   std::vector<int32_t> scratch_;
@@ -358,10 +434,26 @@ void insert_continuations(const SuffixIndex<Tok, Idx>& index, int64_t lo, int64_
 // The output index of finished requests: uint32 tokens, int32 suffix array.
 using OutputIndex = SuffixIndex<uint32_t, int32_t>;
 
+// Insert the given continuations (cut to cont_len) when their source weighs anything.
+inline void insert_given(const GivenContinuations* given, double weight, int cont_len, int8_t source,
+                         ContinuationTrie& trie) {
+  if (given == nullptr || !(weight > 0)) return;
+  for (int i = 0; i < given->k; ++i)
+    trie.insert(given->tokens + static_cast<int64_t>(i) * given->len, std::min(given->lengths[i], cont_len), source);
+}
+
+// Continuations a request's caller found elsewhere, and the chance table to rank nodes by
+// (each may be null).
+struct RestExtras {
+  const GivenContinuations* dense;
+  const GivenContinuations* live;
+  const ChanceTable* table;
+};
+
 template <typename Tok, typename Idx>
-void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output,
-                       const DenseCandidates* dense, const int32_t* ctx, int n, const RestParams& prm,
-                       ContinuationTrie& trie, RestOutput out) {
+void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output, RestExtras extras,
+                       const int32_t* ctx, int n, const RestParams& prm, ContinuationTrie& trie,
+                       RestOutput out) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   int64_t lo = 0, hi = 0, out_lo = 0, out_hi = 0;
@@ -372,14 +464,12 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* ou
     out_len = longest_datastore_match(*output, ctx, n, prm, &out_lo, &out_hi);
   auto t1 = clock::now();
 
-  trie.reset(prm.context_weight, prm.output_weight, prm.dense_weight);
+  trie.reset(prm, extras.table);
   if (ds_len > 0) insert_continuations(*index, lo, hi, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
   if (out_len > 0)
     insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
-  if (dense != nullptr && prm.dense_weight > 0)
-    for (int i = 0; i < dense->k; ++i)
-      trie.insert(dense->tokens + static_cast<int64_t>(i) * dense->len,
-                  std::min(dense->lengths[i], prm.cont_len), kFromDense);
+  insert_given(extras.dense, prm.dense_weight, prm.cont_len, kFromDense, trie);
+  insert_given(extras.live, prm.live_weight, prm.cont_len, kFromLive, trie);
   auto t2 = clock::now();
 
   // The request's own context, searched the same way.
@@ -394,6 +484,8 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* ou
     }
   }
   auto t3 = clock::now();
+  const int live_len = extras.live != nullptr && prm.live_weight > 0 ? extras.live->match_len : 0;
+  trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len});
   if (out.tree_size != nullptr)
     *out.tree_size = trie.select_tree(
         prm.top_k, {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});
@@ -407,6 +499,7 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* ou
   out.match_info[2] = clamp32(hi - lo);
   out.match_info[3] = out_len;
   out.match_info[4] = clamp32(out_hi - out_lo);
+  out.match_info[5] = live_len;
   if (out.timings_ns != nullptr) {
     auto ns = [](auto d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
     out.timings_ns[0] = ns(t1 - t0);

@@ -5,6 +5,14 @@
 //
 // all arithmetic modulo 2^64, splitmix64 as in Steele, Lea & Flood (2014). u is a multiple of
 // 2^-53 in [0, 1), exact in double. A request's counter starts at 0 and advances once per draw.
+//
+// Seeded sampling (the keyed rule of tree_accept.h) draws the token at absolute position t of a
+// request with seed s with one uniform that depends on (s, t) only:
+//
+//   keyed_uniform(s, t) = u(splitmix64(s), t)
+//
+// The key splitmix64(s) spreads nearby seeds (0, 1, 2, ...) apart; under one key distinct
+// positions have distinct counters, hence distinct 64-bit words (splitmix64 is a bijection).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +31,10 @@ VRS_HD inline uint64_t splitmix64(uint64_t x) {
 VRS_HD inline double counter_uniform(uint64_t seed, uint64_t counter) {
   const uint64_t bits = splitmix64(seed ^ (counter * 0x9E3779B97F4A7C15ULL + 1ULL)) >> 11;
   return static_cast<double>(bits) * 0x1.0p-53;
+}
+
+VRS_HD inline double keyed_uniform(uint64_t seed, uint64_t position) {
+  return counter_uniform(splitmix64(seed), position);
 }
 
 // The uniforms of one request, in draw order.

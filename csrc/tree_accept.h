@@ -17,8 +17,15 @@
 //     p > 0), else p <- max(p - q, 0) normalised (kept as is when that residual is all zero);
 //     if all fail, emit a sample of p.
 //   3 MCSS without replacement: as 2, and after a rejection q[x_i] <- 0, q renormalised.
+//   4 keyed (seeded sampling that repeats exactly): scores as rule 1; at a node of depth d,
+//     t = sample(p, keyed_uniform(seeds[b], positions[b] + d)) (rng.h), the token the request
+//     samples at that absolute position whatever was drafted; descend to the first child
+//     carrying t, else emit t. A child is accepted with probability p(child), a node's children
+//     with the sum of theirs, as rule 1 does; the emitted tokens are those without drafts.
 // A node without children (or at depth out_width - 1) emits a sample of its row (argmax for
-// greedy). One uniform per candidate test and one per final sample, in that order.
+// greedy). Rules 1-3 draw one uniform per candidate test and one per final sample, in that
+// order, from the stream uniform(seeds[b], 0), uniform(seeds[b], 1), ...; rule 4 one keyed
+// uniform per visited node.
 //
 // Canonical sums (what "sum" and "cumsum" mean above, identical on every backend): a row of V
 // values is cut into kSegments contiguous segments of L = 32 * ceil(V / 1024) values (zero
@@ -78,7 +85,13 @@ static_assert(kSegments == kTileWidth, "segment starts reuse the tile scan");
 constexpr int kHistogramBuckets = 2048;  // radix guesses: 11 key bits per level at most
 constexpr uint64_t kNoPosition = ~uint64_t{0};
 
-enum AcceptRule : int32_t { kGreedy = 0, kCandidates = 1, kMcss = 2, kMcssNoReplacement = 3 };
+enum AcceptRule : int32_t {
+  kGreedy = 0,
+  kCandidates = 1,
+  kMcss = 2,
+  kMcssNoReplacement = 3,
+  kKeyed = 4
+};
 
 VRS_HD inline int64_t segment_length(int64_t vocab) {
   const int64_t span = static_cast<int64_t>(kTileWidth) * kSegments;
@@ -161,6 +174,9 @@ struct TreeBatch {
   const int32_t* draft_tokens = nullptr;
   const float* draft_values = nullptr;
   int32_t draft_width = 0;
+  // Rule 4: the absolute position of each request's root token (the one row 0 samples) [B],
+  // or null (no keyed request).
+  const int64_t* positions = nullptr;
 };
 
 // One request's scratch rows (null where its rule and inputs need none).
@@ -190,6 +206,12 @@ struct LocalTree {
   template <class F>
   VRS_HD double at_token(const F& f, int32_t j) const {
     return token_in_vocab(j) ? f(tokens[j]) : 0.0;
+  }
+  // The first child of `node` carrying `token` (-1: none).
+  VRS_HD int32_t child_carrying(int32_t node, int32_t token) const {
+    for (int32_t c = next_child(node, node); c >= 0; c = next_child(node, c))
+      if (tokens[c] == token) return c;
+    return -1;
   }
   // Whether an earlier sibling of child c carries the same token.
   VRS_HD bool repeats_sibling(int32_t node, int32_t c) const {
@@ -621,6 +643,7 @@ VRS_HD void accept_request(const TreeBatch& batch, int b, Ops& ops, const Reques
   const bool mcss = rule == kMcss || rule == kMcssNoReplacement;
   const bool usable =
       rule == kGreedy ||
+      (rule == kKeyed && batch.positions != nullptr && (!lazy || work.row != nullptr)) ||
       (work.p != nullptr && (!lazy || work.row != nullptr) &&
        (rule == kCandidates ||
         (mcss && has_q &&
@@ -634,16 +657,17 @@ VRS_HD void accept_request(const TreeBatch& batch, int b, Ops& ops, const Reques
     Dist p{scores, nullptr};
     const bool leaf = depth >= batch.out_width - 1 || tree.next_child(node, node) < 0;
     int32_t next = -1;
-    if (rule == kGreedy) {
-      emitted = ops.argmax(p.f32);
-      for (int32_t c = leaf ? -1 : tree.next_child(node, node); c >= 0 && next < 0;
-           c = tree.next_child(node, c))
-        if (tree.tokens[c] == emitted) next = c;
+    if (rule != kGreedy && lazy) {
+      target_row(ops, scores, batch.temperature[b], batch.top_k[b], batch.top_p[b], work.row);
+      p = Dist{nullptr, work.row};
+    }
+    if (rule == kGreedy || rule == kKeyed) {
+      emitted = rule == kGreedy
+                    ? ops.argmax(p.f32)
+                    : ops.sample(p, keyed_uniform(batch.seeds[b],
+                                                  static_cast<uint64_t>(batch.positions[b]) + depth));
+      if (!leaf) next = tree.child_carrying(node, emitted);
     } else {
-      if (lazy) {
-        target_row(ops, scores, batch.temperature[b], batch.top_k[b], batch.top_p[b], work.row);
-        p = Dist{nullptr, work.row};
-      }
       if (leaf) {
         emitted = ops.sample(p, rng.next());
       } else if (rule == kCandidates) {

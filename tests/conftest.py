@@ -171,4 +171,4 @@ def small_ngram_table(k: int = 3, w: int = 4):
 
     top = np.array([[(t + i + 1) % 10 for i in range(k)] for t in range(10)], dtype=np.int32)
     probs = np.tile(np.array([0.5, 0.3, 0.2, 0.1, 0.05, 0.02][:k], np.float32), (10, 1))
-    return SimpleNamespace(k=k, w=w, extended=extend_bigram(top, w), bigram_probs=probs)
+    return SimpleNamespace(max_drafts=k, max_draft_len=w, extended=extend_bigram(top, w), bigram_probs=probs)

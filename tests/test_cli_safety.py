@@ -214,7 +214,7 @@ def test_serve_checks_the_store_against_the_served_tokenizer(model_dir, store):
     manifest = json.loads((store / "manifest.json").read_text())
     manifest["tokenizer"]["vocab_sha256"] = "0" * 64
     (store / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DatastoreError, match="was built with tokenizer"):
+    with pytest.raises(DatastoreError, match="was built for tokenizer"):
         _check_artifacts_early(args, RetrievalSpecOptions(datastore=str(store)))
 
 

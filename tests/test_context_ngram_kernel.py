@@ -27,7 +27,7 @@ def kernel_as_reference(contexts, rows=None, **params):
     for index in range(len(rows)):
         drafts = [
             (out.draft(index, slot), int(out.counts[index, slot]))
-            for slot in range(params["k"])
+            for slot in range(params["num_drafts"])
             if out.lengths[index, slot] > 0
         ]
         results.append((int(out.match_len[index]), drafts))
@@ -45,57 +45,58 @@ contexts_strategy = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(
     contexts=contexts_strategy,
-    k=st.integers(1, 6),
-    w=st.integers(1, 8),
+    num_drafts=st.integers(1, 6),
+    draft_len=st.integers(1, 8),
     q_min=st.integers(1, 3),
     q_span=st.integers(0, 3),
     max_matches=st.integers(1, 20),
     num_threads=st.integers(0, 3),
 )
-def test_kernel_matches_reference(contexts, k, w, q_min, q_span, max_matches, num_threads):
-    params = dict(k=k, w=w, q_min=q_min, q_max=q_min + q_span, max_matches=max_matches)
+def test_kernel_matches_reference(contexts, num_drafts, draft_len, q_min, q_span, max_matches, num_threads):
+    params = dict(num_drafts=num_drafts, draft_len=draft_len, q_min=q_min, q_max=q_min + q_span,
+                  max_matches=max_matches)
     expected = context_ngram_reference(contexts, **params)
     assert kernel_as_reference(contexts, num_threads=num_threads, **params) == expected
 
 
 def test_known_answer_prefers_longest_match_and_most_frequent():
     context = [5, 1, 2, 9, 1, 2, 3, 1, 2, 3, 1, 2]
-    (match_len, drafts), = kernel_as_reference([context], k=3, w=2, q_min=1, q_max=3)
+    (match_len, drafts), = kernel_as_reference([context], num_drafts=3, draft_len=2, q_min=1, q_max=3)
     # the 3-token suffix (3, 1, 2) occurred once before, followed by (3, 1)
     assert match_len == 3
     assert drafts == [([3, 1], 1)]
-    (match_len, drafts), = kernel_as_reference([context], k=3, w=2, q_min=1, q_max=2)
+    (match_len, drafts), = kernel_as_reference([context], num_drafts=3, draft_len=2, q_min=1, q_max=2)
     assert match_len == 2
     assert drafts == [([3, 1], 2), ([9, 1], 1)]  # the most frequent continuation first
 
 
 def test_ties_go_to_the_most_recent_occurrence():
     context = [1, 4, 1, 5, 1, 6, 1]
-    (match_len, drafts), = kernel_as_reference([context], k=3, w=1, q_min=1, q_max=1)
+    (match_len, drafts), = kernel_as_reference([context], num_drafts=3, draft_len=1, q_min=1, q_max=1)
     assert match_len == 1
     assert drafts == [([6], 1), ([5], 1), ([4], 1)]
 
 
 def test_continuations_are_cut_at_the_end_of_the_context():
-    (match_len, drafts), = kernel_as_reference([[1, 2, 3, 1]], k=2, w=5, q_min=1, q_max=1)
+    (match_len, drafts), = kernel_as_reference([[1, 2, 3, 1]], num_drafts=2, draft_len=5, q_min=1, q_max=1)
     assert (match_len, drafts) == (1, [([2, 3, 1], 1)])
 
 
 @pytest.mark.parametrize("context", [[], [3], [1, 2, 3, 4]])
 def test_no_match_gives_no_drafts(context):
-    assert kernel_as_reference([context], k=2, w=3, q_min=1, q_max=4) == [(0, [])]
+    assert kernel_as_reference([context], num_drafts=2, draft_len=3, q_min=1, q_max=4) == [(0, [])]
 
 
 def test_rows_select_a_subset_in_the_given_order():
     contexts = [[1, 2, 1], [3, 4, 3], [5, 6, 5]]
-    got = kernel_as_reference(contexts, rows=[2, 0], k=1, w=2, q_min=1, q_max=2)
+    got = kernel_as_reference(contexts, rows=[2, 0], num_drafts=1, draft_len=2, q_min=1, q_max=2)
     assert got == [(1, [([6, 5], 1)]), (1, [([2, 1], 1)])]
 
 
 def test_token_ids_at_int32_limits():
     big = np.iinfo(np.int32).max
     contexts = [[big, 0, big, 0, big]]
-    params = dict(k=2, w=3, q_min=1, q_max=3)
+    params = dict(num_drafts=2, draft_len=3, q_min=1, q_max=3)
     assert kernel_as_reference(contexts, **params) == context_ngram_reference(contexts, **params)
 
 
@@ -103,7 +104,7 @@ def test_reads_vllm_style_buffers_without_copying_rows_beyond_their_length():
     tokens = np.zeros((4, 64), dtype=np.int32)
     tokens[1, :6] = [8, 9, 8, 9, 8, 9]
     lengths = np.array([0, 6, 0, 0], dtype=np.int32)
-    out = context_ngram(tokens, lengths, np.array([1], np.int32), k=1, w=4, q_min=1, q_max=3)
+    out = context_ngram(tokens, lengths, np.array([1], np.int32), num_drafts=1, draft_len=4, q_min=1, q_max=3)
     assert out.draft(0) == [8, 9]
 
 
@@ -118,7 +119,7 @@ def test_reads_vllm_style_buffers_without_copying_rows_beyond_their_length():
 )
 def test_bad_parameters_are_rejected(params, message):
     tokens, lengths = pack([[1, 2, 1]])
-    kwargs = dict(k=1, w=2, q_min=1, q_max=2, max_matches=8) | params
+    kwargs = dict(num_drafts=1, draft_len=2, q_min=1, q_max=2, max_matches=8) | params
     with pytest.raises(ValueError, match=message):
         context_ngram(tokens, lengths, np.array([0], np.int32), **kwargs)
 
@@ -126,9 +127,10 @@ def test_bad_parameters_are_rejected(params, message):
 def test_bad_rows_are_rejected():
     tokens, lengths = pack([[1, 2, 1]])
     with pytest.raises(IndexError, match="rows\\[0\\] = 5"):
-        context_ngram(tokens, lengths, np.array([5], np.int32), k=1, w=2, q_min=1, q_max=2)
+        context_ngram(tokens, lengths, np.array([5], np.int32), num_drafts=1, draft_len=2, q_min=1, q_max=2)
     with pytest.raises(IndexError, match="lengths\\[0\\] = 9"):
-        context_ngram(tokens, np.array([9], np.int32), np.array([0], np.int32), k=1, w=2, q_min=1, q_max=2)
+        context_ngram(tokens, np.array([9], np.int32), np.array([0], np.int32), num_drafts=1, draft_len=2,
+                      q_min=1, q_max=2)
 
 
 def test_extension_reports_its_backends():
@@ -147,13 +149,13 @@ def _cuda_available() -> bool:
 
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
 @settings(max_examples=50, deadline=None)
-@given(contexts=contexts_strategy, k=st.integers(1, 4), w=st.integers(1, 8), q_max=st.integers(1, 4))
-def test_cuda_kernel_matches_cpu_kernel(contexts, k, w, q_max):
+@given(contexts=contexts_strategy, num_drafts=st.integers(1, 4), draft_len=st.integers(1, 8), q_max=st.integers(1, 4))
+def test_cuda_kernel_matches_cpu_kernel(contexts, num_drafts, draft_len, q_max):
     import torch
 
     tokens, lengths = pack(contexts)
     rows = np.arange(len(contexts), dtype=np.int32)
-    params = dict(k=k, w=w, q_min=1, q_max=q_max, max_matches=32)
+    params = dict(num_drafts=num_drafts, draft_len=draft_len, q_min=1, q_max=q_max, max_matches=32)
     cpu = context_ngram(tokens, lengths, rows, **params)
     gpu = context_ngram(torch.from_numpy(tokens).cuda(), torch.from_numpy(lengths).cuda(), rows, **params)
     torch.cuda.synchronize()

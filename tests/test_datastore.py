@@ -213,7 +213,7 @@ def other_tokenizer_dir(tmp_path_factory) -> Path:
 
 def test_wrong_tokenizer_names_both_tokenizers(model_dir, source_tree, other_tokenizer_dir, tmp_path):
     build_datastore(other_tokenizer_dir, [InputSpec(source_tree)], tmp_path / "store", progress=False)
-    with pytest.raises(DatastoreError, match=r"built with tokenizer 'other-tokenizer.*served with tokenizer 'SmolLM2"):
+    with pytest.raises(DatastoreError, match=r"built for tokenizer 'other-tokenizer.*served with tokenizer 'SmolLM2"):
         TokenDatastore.open(tmp_path / "store", expected_tokenizer=tokenizer_identity(model_dir))
 
 
@@ -225,7 +225,7 @@ def test_rest_proposer_refuses_a_store_of_another_tokenizer_at_engine_start(
     build_datastore(other_tokenizer_dir, [InputSpec(source_tree)], tmp_path / "store", progress=False)
     config = fake_vllm_config(max_model_len=64, options={"datastore": str(tmp_path / "store")},
                               tokenizer=str(model_dir))
-    with pytest.raises(DatastoreError, match="rebuild the datastore with"):
+    with pytest.raises(DatastoreError, match="rebuild it with `vllm-retrieval-spec datastore build"):
         RestProposer(config)
 
 

@@ -197,13 +197,13 @@ def test_another_tokenizer_or_model_is_refused_naming_both(store_dir, model_dir,
     tokenizer["added_tokens"].append({"id": 49152, "content": "<|dense-test|>", "single_word": False, "lstrip": False,
                                       "rstrip": False, "normalized": False, "special": True})
     (other_tokenizer / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(DenseDatastoreError, match=r"built for model 'SmolLM2.*but the model is 'other-tokenizer'.*"
-                                                  r"rebuild it for this model with"):
+    with pytest.raises(DenseDatastoreError, match=r"built for model 'SmolLM2.*served with model 'other-tokenizer'.*"
+                                                  r"rebuild it with"):
         DenseDatastore.open(store_dir, ModelIdentity.of(other_tokenizer))
     other_model = copy_model_files(model_dir, tmp_path / "other-model")
     config = json.loads((other_model / "config.json").read_text())
     (other_model / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-6}))
-    with pytest.raises(DenseDatastoreError, match=r"but the model is 'other-model' \(config "):
+    with pytest.raises(DenseDatastoreError, match=r"served with model 'other-model' \(config "):
         open_dense_datastore_for_model(str(store_dir), other_model)
     DenseDatastore.open(store_dir, ModelIdentity.of(model_dir))
 

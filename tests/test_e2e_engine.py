@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
@@ -13,6 +15,8 @@ pytestmark = pytest.mark.engine
 
 K = 4
 TREE_NODES = 16
+DEEP_K = 32  # the README's recommended num_speculative_tokens
+DEEP_PROMPTS = 8
 
 
 def flush_finished_requests(llm) -> None:
@@ -146,3 +150,24 @@ def test_no_speculation_baseline_takes_one_token_per_step(baseline_runs):
         summary = summarize(run.records, run.counters)
         assert summary.honest_tokens_per_step == 1.0
         assert summary.drafts == 0
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_deep_drafts_are_lossless(mode, model_dir, code_store, e2e_prompts, baseline_runs):
+    """REST at num_speculative_tokens 32 (continuations as long): chains with the goodput budget
+    (the kernel ranks candidates by its calibrated chances) and 32-node trees with a fixed budget
+    give exactly the greedy token ids of no speculation at batch 1 and 8 in flight."""
+    options = {"datastore": str(code_store), **({"tree": True, "budget": "fixed"} if mode == "tree" else {})}
+    prompts = e2e_prompts[:DEEP_PROMPTS]
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=DEEP_K)) as llm:
+        runs = {"batch1": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=1),
+                "concurrent": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)}
+        drafter = drafter_of(llm)
+    for name, run in runs.items():
+        expected = baseline_runs[name]
+        assert_same_token_ids(dataclasses.replace(expected, records=expected.records[:DEEP_PROMPTS]), run)
+        assert run.counters.accepted_tokens > 0, name
+    assert drafter.stats.failures == 0
+    assert drafter.params.continuation_len == DEEP_K
+    if mode == "chain":
+        assert drafter.session.budget.stats.chosen_nodes > 0

@@ -67,7 +67,7 @@ def test_models_endpoint_and_chat_reply_equal_no_speculation(rest_server, chat_b
 @pytest.mark.parametrize(
     ("options", "message"),
     [({"context_ngram_mx": 3}, r"unknown option\(s\) 'context_ngram_mx' in additional_config\['retrieval_spec'\]"),
-     ({"k": 4}, r"option 'k' was renamed to 'ngrammys_drafts'")],
+     ({"ngrammys_drafts": 0}, r"retrieval_spec\.ngrammys_drafts must be an integer in \[1, ")],
 )
 def test_bad_options_stop_the_server_with_the_option_named(model_dir, options, message):
     spec = {"model": "vllm_retrieval_spec.PromptLookupProposer", "num_speculative_tokens": 4}

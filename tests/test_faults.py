@@ -188,7 +188,7 @@ def cases(near_limit_ids: list[int]) -> dict[str, dict[str, Any]]:
         "n > 1 greedy (refused by vLLM)": {"prompt": prompt, "n": 2},
         # top_k = 1 makes every sample the argmax, so the n choices equal greedy with or without
         # speculation; at top_k > 1 a seeded request's text differs with speculation (each drafted
-        # token costs a random draw; README, Sampling), only its distribution is the same. (A top-k
+        # token costs a random draw; docs/design.md, Sampling), only its distribution is the same. (A top-k
         # request used to kill the CPU engine at its first step without drafts: vllm_patches.py.)
         "n > 1 top_k 1": {"prompt": prompt, "n": 3, "seed": 3, **TOP_1},
         "logprobs": {"prompt": code, "logprobs": 3},

@@ -98,8 +98,8 @@ def draft_dense(store: DenseDatastore) -> None:
 
 
 def draft_ngrams(table: NgramTable) -> None:
-    drafts = mixed_drafts(table, CONTEXT_TOKENS, CONTEXT_LENGTHS, ROWS, k=3, w=4, q=2, mixing="context-first",
-                          with_trees=True)
+    drafts = mixed_drafts(table, CONTEXT_TOKENS, CONTEXT_LENGTHS, ROWS, num_drafts=3, draft_len=4, context_len=2,
+                          mixing="context-first", with_trees=True)
     vocab = table.model.vocab_size
     assert_drafted_ids(drafts.tokens.reshape(-1, drafts.tokens.shape[2]), drafts.lengths.reshape(-1), vocab)
     assert_drafted_ids(drafts.tree_tokens, drafts.tree_size, vocab)

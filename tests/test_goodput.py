@@ -9,8 +9,8 @@ import pytest
 from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, DraftNodes
 from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, StepCostModel, choose_nodes
 from vllm_retrieval_spec.goodput.budget import RequestFactors
-from vllm_retrieval_spec.goodput.calibration import node_depths, path_products
 from vllm_retrieval_spec.goodput.chooser import main_paths
+from vllm_retrieval_spec.goodput.paths import node_depths, path_products
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
@@ -261,3 +261,96 @@ def test_a_slow_search_must_pay_for_itself():
         if budget.worth_searching(["a"], 1).any():
             break
     assert budget.worth_searching(["a"], 1).all() and budget.search_seconds_per_row < 0.05
+
+
+def random_forests(rng: np.random.Generator, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parents-first trees (``parents[i] < i``, -1 = the root), -1 padded after each row's size."""
+    size = rng.integers(0, width + 1, rows)
+    parents = np.full((rows, width), -1, np.int32)
+    for row in range(rows):
+        for column in range(1, int(size[row])):
+            parents[row, column] = rng.integers(-1, column)
+    return parents, size
+
+
+def brute_force_paths(parents: np.ndarray, size: np.ndarray, chance: np.ndarray):
+    """Depths, path products and main paths by walking up from every node."""
+    rows, width = parents.shape
+    depth, product, main = np.zeros((rows, width), int), np.ones((rows, width)), np.zeros((rows, width), bool)
+    for row in range(rows):
+        for column in range(width):
+            node, on_main = column, column < size[row]
+            while node >= 0:
+                product[row, column] *= chance[row, node]
+                parent = parents[row, node]
+                first = min(c for c in range(size[row]) if parents[row, c] == parent) if column < size[row] else -1
+                on_main &= first == node
+                depth[row, column] += parent >= 0
+                node = parent
+            main[row, column] = on_main
+    return depth, product, main
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_walks_up_the_trees_equal_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    parents, size = random_forests(rng, 6, 40)
+    chance = rng.uniform(0.1, 1.0, parents.shape)
+    depth, product, main = brute_force_paths(parents, size, chance)
+    np.testing.assert_array_equal(node_depths(parents), depth)
+    np.testing.assert_allclose(path_products(chance, parents), product, rtol=1e-12)
+    np.testing.assert_array_equal(main_paths(parents, size), main)
+
+
+def trained_budget(source: int, match_len: int, raw_prob: float, rate: float) -> GoodputBudget:
+    """A budget whose calibration saw chains of this source accepted at ``rate`` at every depth."""
+    budget = GoodputBudget()
+    nodes = long_chain(source, match_len, raw_prob)
+    bucket = budget.calibration.buckets(nodes, node_depths(nodes.parents))
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        budget.calibration.observe(bucket, np.full(bucket.shape, rate), rng.uniform(size=bucket.shape) < rate)
+    return budget
+
+
+def long_chain(source: int, match_len: int, raw_prob: float, width: int = 64) -> DraftNodes:
+    return DraftNodes(np.arange(width, dtype=np.int32)[None], np.arange(-1, width - 1, dtype=np.int32)[None],
+                      np.array([width]), np.full((1, width), raw_prob, np.float32),
+                      np.full((1, width), source, np.int8), np.full((1, width), match_len, np.int32))
+
+
+def test_a_long_context_copy_is_drafted_whole_and_a_weak_match_short():
+    """With the CPU prior's step cost, a 40-token in-context copy the calibration trusts is kept
+    whole at K = 64 in one step; a weak 1-token datastore match keeps one or two tokens."""
+    copy = trained_budget(SOURCE_CONTEXT, 16, 1.0, 0.995)
+    nodes = long_chain(SOURCE_CONTEXT, 16, 1.0)
+    nodes.size[:] = 40
+    keep = copy.choose(["copy"], nodes, np.array([64]), 1, draft_seconds=0.0005)
+    assert keep.sum() == 40
+    weak = trained_budget(SOURCE_DATASTORE, 1, 0.3, 0.3)
+    keep = weak.choose(["weak"], long_chain(SOURCE_DATASTORE, 1, 0.3), np.array([64]), 1, draft_seconds=0.0005)
+    assert 1 <= keep.sum() <= 2
+
+
+def test_depth_buckets_stay_apart_up_to_the_spec_cap():
+    """Depths 0-7 get a bucket each, deeper ones log-spaced buckets up to 128, none collapsed."""
+    calibration = AcceptanceCalibration()
+    nodes = long_chain(SOURCE_CONTEXT, 16, 1.0, width=128)
+    buckets = np.unravel_index(calibration.buckets(nodes, node_depths(nodes.parents))[0], calibration.accepted.shape)[2]
+    assert buckets[:8].tolist() == list(range(8))
+    assert len(set(buckets.tolist())) == calibration.accepted.shape[2] and (np.diff(buckets) >= 0).all()
+
+
+def test_the_chance_table_follows_observations_and_is_reused_between_refreshes():
+    calibration = AcceptanceCalibration()
+    nodes = long_chain(SOURCE_CONTEXT, 16, 1.0, width=8)
+    bucket = calibration.buckets(nodes, node_depths(nodes.parents))
+    table = calibration.chance_table()
+    assert calibration.chance_table() is table  # nothing new: the same arrays
+    calibration.observe(bucket, np.full(bucket.shape, 0.5), np.ones(bucket.shape, bool))
+    for _ in range(4):
+        calibration.tick()
+    fresh = calibration.chance_table()
+    assert fresh is not table
+    midpoint = np.full(bucket.shape, 0.95)  # raw probability 1.0: the last bucket, [0.9, 1.0)
+    np.testing.assert_allclose(fresh.chance.reshape(-1)[bucket], calibration.estimate(bucket, midpoint), rtol=1e-6)

@@ -84,7 +84,7 @@ def test_rest_drafts_have_trees_only_with_top_k():
 
 def test_context_ngram_drafts_chain_is_slot_zero():
     tokens, lengths, rows = contexts()
-    drafts = context_ngram(tokens, lengths, rows, k=2, w=2, q_min=1, q_max=1)
+    drafts = context_ngram(tokens, lengths, rows, num_drafts=2, draft_len=2, q_min=1, q_max=1)
     assert_chains(drafts, [[9, 5], []])
     assert drafts.draft(0, 1) == [7, 8]
     assert drafts.tree_tokens is None
@@ -92,11 +92,12 @@ def test_context_ngram_drafts_chain_is_slot_zero():
 
 def test_ngram_drafts_build_trees_only_when_asked():
     tokens, lengths, rows = contexts()
-    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
+                          mixing="context-first")
     assert_chains(drafts, [[9, 5], [3, 4]])
     assert drafts.tree_tokens is None
-    trees = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first",
-                         with_trees=True)
+    trees = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
+                         mixing="context-first", with_trees=True)
     expected = merge_drafts_reference(trees.tokens, trees.lengths, trees.weights)
     assert all(np.array_equal(a, b) for a, b in zip((trees.tree_tokens, trees.tree_parents, trees.tree_size),
                                                      expected))

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -44,7 +43,8 @@ def as_rows(contexts):
 
 def test_context_first_then_bigram():
     tokens, lengths, rows = as_rows([[5, 7, 8, 5, 9, 5], [1, 2]])
-    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, k=3, w=2, q=1, mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
+                          mixing="context-first")
     assert drafts.from_context.tolist() == [2, 0]
     # row 0: context drafts after "5" (the most recent first on equal counts), then the bigram of 5
     assert drafts.tokens[0].tolist() == [[9, 5], [7, 8], [6, 7]]
@@ -56,9 +56,10 @@ def test_context_first_then_bigram():
 def test_mixing_policies():
     tokens, lengths, rows = as_rows([[5, 7, 5]])
     table = small_ngram_table()
-    only_context = mixed_drafts(table, tokens, lengths, rows, k=3, w=2, q=1, mixing="context-only")
+    sizes = {"num_drafts": 3, "draft_len": 2, "context_len": 1}
+    only_context = mixed_drafts(table, tokens, lengths, rows, **sizes, mixing="context-only")
     assert only_context.lengths[0].tolist() == [2, 0, 0]
-    only_bigram = mixed_drafts(table, tokens, lengths, rows, k=3, w=2, q=1, mixing="bigram-only")
+    only_bigram = mixed_drafts(table, tokens, lengths, rows, **sizes, mixing="bigram-only")
     assert only_bigram.tokens[0].tolist() == [[6, 7], [7, 8], [8, 9]]
 
 
@@ -104,7 +105,7 @@ def test_table_of_another_model_is_refused_at_engine_start(model_dir, ngram_tabl
     config["rms_norm_eps"] = 1e-6  # a different model of the same architecture and vocabulary
     (other / "config.json").write_text(json.dumps(config))
     vllm_config = fake_vllm_config(max_model_len=64, options={"ngram_table": str(ngram_table_dir)}, model=str(other))
-    with pytest.raises(NgramTableError, match=r"built from model 'SmolLM2.*served model is 'other-model'"):
+    with pytest.raises(NgramTableError, match=r"built for model 'SmolLM2.*served with model 'other-model'"):
         NGrammysProposer(vllm_config)
 
 
@@ -127,20 +128,6 @@ def test_ngram_options_are_validated():
     assert dataclasses.replace(RetrievalSpecOptions(), ngrammys_drafts=3).ngrammys_drafts == 3
 
 
-def test_deprecated_proposer_name_warns_and_is_the_ngrammys_proposer(tmp_path):
-    import vllm_retrieval_spec
-    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer
-
-    table_dir = write_tiny_table(tmp_path / "table")
-    vllm_config = fake_vllm_config(k=2, max_model_len=64, options={"ngram_table": str(table_dir)}, model="unused")
-    served = ModelIdentity(**NgramTable.open(table_dir).manifest["model"])
-    deprecated = r"NGramProposer is deprecated; use vllm_retrieval_spec\.NGrammysProposer"
-    with mock.patch.object(ModelIdentity, "of", return_value=served), \
-            pytest.warns(DeprecationWarning, match=deprecated):
-        proposer = vllm_retrieval_spec.NGramProposer(vllm_config)
-    assert isinstance(proposer, NGrammysProposer) and proposer.table.path == table_dir
-
-
 TINY_VOCAB, TINY_K, TINY_W = 10, 3, 4
 
 
@@ -160,7 +147,7 @@ def write_tiny_table(directory: Path, **manifest_changes: object) -> Path:
 
 def test_a_table_is_memory_mapped_read_only(tmp_path):
     table = NgramTable.open(write_tiny_table(tmp_path / "table"))
-    assert (table.k, table.w) == (TINY_K, TINY_W) and table.unigram_ranking is None
+    assert (table.max_drafts, table.max_draft_len) == (TINY_K, TINY_W) and table.unigram_ranking is None
     assert table.extended.shape == (TINY_VOCAB, TINY_K, TINY_W) and table.extended[2, 0].tolist() == [3, 4, 5, 6]
     assert isinstance(table.bigram_tokens, np.memmap) and not table.bigram_tokens.flags.writeable
 

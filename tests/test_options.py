@@ -55,16 +55,6 @@ def test_every_option_is_described():
     assert lines[0] == f"context_ngram_min (default 1): {fields[0].metadata['help']}"
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [("k", "ngrammys_drafts"), ("w", "ngrammys_draft_len"), ("q", "ngrammys_context_len"),
-     ("mixing", "ngrammys_mixing")],
-)
-def test_renamed_option_names_its_new_name(old, new):
-    with pytest.raises(OptionsError, match=rf"option '{old}' was renamed to '{new}'"):
-        RetrievalSpecOptions.from_dict({old: 4})
-
-
 def test_ngrammys_options_are_read():
     options = RetrievalSpecOptions.from_dict(
         {"ngrammys_drafts": 4, "ngrammys_draft_len": 6, "ngrammys_context_len": 2, "ngrammys_mixing": "bigram-only"}
@@ -93,3 +83,15 @@ def test_candidate_options_are_read_and_checked():
         RetrievalSpecOptions.from_dict({"candidates": "random"})
     with pytest.raises(OptionsError, match=r"retrieval_spec.draft_temperature must be a number in \[0.05"):
         RetrievalSpecOptions.from_dict({"draft_temperature": 0})
+
+
+def test_the_readme_options_table_is_generated_from_the_options():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "options_table.py"
+    spec = importlib.util.spec_from_file_location("options_table", script)
+    options_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(options_table)
+    table = options_table.readme_table(options_table.README.read_text())
+    assert table == RetrievalSpecOptions.markdown_table(), "README.md is outdated: run scripts/options_table.py"

@@ -53,15 +53,13 @@ def test_register_is_idempotent():
 
 
 def test_proposers_are_reachable_at_the_package_top_level():
-    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer, NGramProposer
+    from vllm_retrieval_spec.proposers.ngrammys import NGrammysProposer
     from vllm_retrieval_spec.proposers.prompt_lookup import PromptLookupProposer
     from vllm_retrieval_spec.proposers.rest import RestProposer
 
     assert vllm_retrieval_spec.PromptLookupProposer is PromptLookupProposer
     assert vllm_retrieval_spec.RestProposer is RestProposer
     assert vllm_retrieval_spec.NGrammysProposer is NGrammysProposer
-    # the deprecated name (warns when constructed; see test_ngrams) is still a working class
-    assert vllm_retrieval_spec.NGramProposer is NGramProposer and issubclass(NGramProposer, NGrammysProposer)
     assert set(vllm_retrieval_spec.__all__) >= {"PromptLookupProposer", "RestProposer", "NGrammysProposer"}
     with pytest.raises(AttributeError, match="no attribute 'NoSuchProposer'"):
         vllm_retrieval_spec.NoSuchProposer  # noqa: B018

@@ -127,6 +127,9 @@ class RecordingSession:
         self.trees = dict(trees)
         self.draft_q = dict(draft_q or {})
 
+    def live_matches(self, *_) -> None:
+        return None  # no live index of other requests in flight
+
 
 def goodput_budget(per_token_seconds: float):
     from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel

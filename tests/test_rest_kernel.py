@@ -13,8 +13,17 @@ from pydivsufsort import divsufsort
 
 from vllm_retrieval_spec.datastores.output_index import SEPARATOR, OutputIndex
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
-from vllm_retrieval_spec.drafts import SOURCE_DENSE, SOURCE_OUTPUT
-from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
+from vllm_retrieval_spec.drafts import (
+    NUM_SOURCE_CODES,
+    SOURCE_CONTEXT,
+    SOURCE_DATASTORE,
+    SOURCE_DENSE,
+    SOURCE_LIVE,
+    SOURCE_OUTPUT,
+    DraftNodes,
+)
+from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
+from vllm_retrieval_spec.kernels.rest import ChanceTable, RestParams, rest_retrieve
 from vllm_retrieval_spec.kernels.rest_reference import rest_retrieve_reference
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 
@@ -55,10 +64,18 @@ def pack_dense(dense):
     return tokens, lengths
 
 
-def kernel_results(store, contexts, params, num_threads=0, output=None, dense=None):
+def pack_live(live, live_match_len):
+    """Per-row live continuations (and match lengths) as the kernel's ``live`` argument."""
+    packed = pack_dense(live)
+    return packed if packed is None or live_match_len is None else (*packed, np.array(live_match_len, np.int32))
+
+
+def kernel_results(store, contexts, params, num_threads=0, output=None, dense=None, live=None, live_match_len=None,
+                   chances=None):
     tokens, lengths = pack(contexts)
     out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads,
-                        output_index=None if output is None else output.native, dense=pack_dense(dense))
+                        output_index=None if output is None else output.native, dense=pack_dense(dense),
+                        live=pack_live(live, live_match_len), chances=chances)
     results = []
     for i in range(len(contexts)):
         tree_size, chain_size = int(out.tree_size[i]), int(out.chain_size[i])
@@ -70,10 +87,11 @@ def kernel_results(store, contexts, params, num_threads=0, output=None, dense=No
     return results
 
 
-def reference_results(store, contexts, params, output=None, dense=None):
+def reference_results(store, contexts, params, output=None, dense=None, live=None, live_match_len=None,
+                      chances=None):
     return rest_retrieve_reference(
         None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params,
-        None if output is None else output.tokens, SEPARATOR, dense,
+        None if output is None else output.tokens, SEPARATOR, dense, live, live_match_len, chances,
     )
 
 
@@ -132,7 +150,7 @@ def test_matches_stop_at_document_separators_and_the_end_of_the_store(vocab_size
     store = make_store([[1, 2, 3], [1, 2, 4, 5, 6, 7], [9, 1, 2]], vocab_size=vocab_size)
     params = RestParams(n_min=1, n_max=4, cont_len=4, top_k=8, chain_len=4, min_ratio=0.0, use_context=False)
     (result,) = kernel_results(store, [[8, 1, 2]], params)
-    assert result["match_info"] == [2, 0, 3, 0, 0]  # "1 2" three times, one at the very end
+    assert result["match_info"] == [2, 0, 3, 0, 0, 0]  # "1 2" three times, one at the very end
     tree_tokens, _ = result["tree"]
     assert sorted(tree_tokens) == [3, 4, 5, 6, 7]
     assert result == reference_results(store, [[8, 1, 2]], params)[0]
@@ -161,7 +179,7 @@ def test_context_only_when_no_store():
     params = RestParams(n_min=1, n_max=4, top_k=4, chain_len=3, min_ratio=0.0)
     (result,) = kernel_results(None, [[1, 2, 3, 1, 2]], params)
     assert result["chain"] == [3, 1, 2]
-    assert result["match_info"] == [0, 2, 0, 0, 0]
+    assert result["match_info"] == [0, 2, 0, 0, 0, 0]
 
 
 def test_context_weight_tips_the_chain():
@@ -226,7 +244,7 @@ def test_output_index_continuations_join_the_trie_with_their_own_weight():
     params = RestParams(n_min=1, n_max=2, cont_len=2, top_k=4, chain_len=2, min_ratio=0.0, use_context=False,
                         output_weight=3.0)
     (result,) = kernel_results(None, [[5, 1, 2]], params, output=output)
-    assert result["match_info"] == [0, 0, 0, 2, 2]
+    assert result["match_info"] == [0, 0, 0, 2, 2, 0]
     assert result["chain"] == [9, 8]  # a tie goes to the smaller token
     assert result["chain_nodes"] == ([1.0, 0.5], [SOURCE_OUTPUT, SOURCE_OUTPUT])
     assert result == reference_results(None, [[5, 1, 2]], params, output)[0]
@@ -244,3 +262,104 @@ def test_dense_continuations_join_the_trie_with_their_own_weight_and_flag():
         tokens, lengths = pack([[1, 2, 3]])
         dense_tokens, dense_lengths = pack_dense(dense)
         rest_retrieve(None, tokens, lengths, np.array([0]), params, dense=(dense_tokens, dense_lengths + 5))
+
+
+def random_chance_table(seed: int) -> ChanceTable:
+    """A small table of few distinct chances (ties are common) with random bucket lookups."""
+    rng = np.random.default_rng(seed)
+    shape = (NUM_SOURCE_CODES, *rng.integers(1, 4, 3))
+    return ChanceTable(rng.choice([0.0, 0.25, 0.5, 1.0], shape).astype(np.float32),
+                       rng.integers(0, shape[1], rng.integers(1, 8)).astype(np.int32),
+                       rng.integers(0, shape[2], rng.integers(1, 8)).astype(np.int32))
+
+
+def learned_chance_table(seed: int) -> ChanceTable:
+    """The goodput calibration's table after random observations."""
+    rng = np.random.default_rng(seed)
+    calibration = AcceptanceCalibration()
+    buckets = rng.integers(0, calibration.accepted.size, 400)
+    calibration.observe(buckets, rng.uniform(0, 1, 400), rng.uniform(0, 1, 400) < 0.6)
+    return calibration.chance_table()
+
+
+given_strategy = st.none() | st.lists(st.lists(st.integers(0, 4), max_size=25), max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(documents=documents_strategy, contexts=contexts_strategy, params=params_strategy,
+       cont_len=st.integers(0, 30), chain_len=st.integers(0, 30), top_k=st.integers(1, 40),
+       live_weight=st.sampled_from([0.0, 1.0, 4.0]), table_seed=st.integers(0, 2**32 - 1), learned=st.booleans(),
+       outputs=st.lists(st.lists(st.integers(0, 4), max_size=30), max_size=4), data=st.data())
+def test_calibrated_selection_matches_the_reference(documents, contexts, params, cont_len, chain_len, top_k,
+                                                    live_weight, table_seed, learned, outputs, data):
+    """Selection by calibrated path chance, long continuations (0: chain_len) and live continuations."""
+    store = make_store(documents, vocab_size=4)
+    output = output_index_of(outputs)
+    params = dataclasses.replace(params, cont_len=cont_len, chain_len=chain_len, top_k=top_k, live_weight=live_weight)
+    rows = len(contexts)
+    live = data.draw(st.none() | st.lists(given_strategy.filter(lambda x: x is not None), min_size=rows, max_size=rows))
+    live_match_len = data.draw(st.none() | st.lists(st.integers(0, 40), min_size=rows, max_size=rows))
+    dense = data.draw(st.none() | st.lists(st.lists(st.lists(st.integers(0, 4), max_size=9), max_size=3),
+                                           min_size=rows, max_size=rows))
+    chances = (learned_chance_table if learned else random_chance_table)(table_seed)
+    got = kernel_results(store, contexts, params, 0, output, dense, live, live_match_len, chances)
+    assert got == reference_results(store, contexts, params, output, dense, live, live_match_len, chances)
+    for result in got:
+        assert_tree_is_parents_first(*result["tree"])
+
+
+def test_a_long_context_match_outranks_a_frequent_short_datastore_continuation():
+    """By weight, 100 datastore continuations of a 1-token match win; by calibrated chance, the
+    40-token copy from the context is drafted whole."""
+    copy = list(range(100, 160))
+    context = [*copy, *copy[:20]]  # the copy's first 20 tokens again: the next 40 are in the context
+    store = make_store([[copy[19], 7, 8, 9]] * 100)
+    params = RestParams(cont_len=0, chain_len=40, top_k=40, context_weight=1.0, n_max=16)
+    by_weight, = kernel_results(store, [context], params)
+    assert by_weight["chain"][:3] == [7, 8, 9]
+    calibration = AcceptanceCalibration()
+    for source, length, accepted in ((SOURCE_CONTEXT, 16, True), (SOURCE_DATASTORE, 1, False)):
+        nodes = DraftNodes(np.zeros((1, 40), np.int32), np.arange(-1, 39, dtype=np.int32)[None], np.array([40]),
+                           np.ones((1, 40), np.float32), np.full((1, 40), source, np.int8),
+                           np.full((1, 40), length, np.int32))
+        bucket = calibration.buckets(nodes, np.arange(40)[None])
+        for _ in range(20):
+            calibration.observe(bucket, np.full(bucket.shape, 0.5), np.full(bucket.shape, accepted))
+    by_chance, = kernel_results(store, [context], params, chances=calibration.chance_table())
+    assert by_chance["chain"] == copy[20:60]
+    assert by_chance["match_info"][:2] == [1, 16]
+    assert by_chance == reference_results(store, [context], params, chances=calibration.chance_table())[0]
+
+
+def test_live_continuations_join_the_trie_with_their_weight_flag_and_match_length():
+    params = RestParams(cont_len=3, top_k=6, chain_len=3, min_ratio=0.0, use_datastore=False, live_weight=2.0,
+                        dense_weight=1.0, context_weight=5.0)
+    live = [[[7, 8, 9, 9], [7, 8, 6]]]  # cut to cont_len
+    (result,) = kernel_results(None, [[1, 2, 3]], params, dense=[[[7]]], live=live, live_match_len=[12])
+    assert result["chain"] == [7, 8, 6]
+    live_only = SOURCE_LIVE
+    assert result["chain_nodes"] == ([1.0, pytest.approx(0.8), 0.5], [SOURCE_DENSE | SOURCE_LIVE, live_only, live_only])
+    assert result["match_info"] == [0, 0, 0, 0, 0, 12]
+    assert result == reference_results(None, [[1, 2, 3]], params, dense=[[[7]]], live=live, live_match_len=[12])[0]
+    tokens, lengths = pack([[1, 2, 3]])
+    live_tokens, live_lengths = pack_dense(live)
+    with pytest.raises(ValueError, match="live_lengths must lie"):
+        rest_retrieve(None, tokens, lengths, np.array([0]), params, live=(live_tokens, live_lengths + 5))
+    with pytest.raises(ValueError, match="live_match_len must be >= 0"):
+        rest_retrieve(None, tokens, lengths, np.array([0]), params, live=(live_tokens, live_lengths, np.array([-1])))
+
+
+def test_bad_chance_tables_are_rejected():
+    tokens, lengths = pack([[1, 2]])
+    table = random_chance_table(0)
+    for bad, message in ((dataclasses.replace(table, chance=table.chance + 2), "values must lie in \\[0, 1\\]"),
+                         (dataclasses.replace(table, chance=table.chance[:32]), ">= 64 sources"),
+                         (dataclasses.replace(table, depth_bucket=np.array([99], np.int32)), "depth_bucket entries")):
+        with pytest.raises(ValueError, match=message):
+            rest_retrieve(None, tokens, lengths, np.array([0]), RestParams(use_datastore=False), chances=bad)
+
+
+def test_continuations_follow_the_chain_length_by_default():
+    assert RestParams(chain_len=32).continuation_len == 32
+    assert RestParams(chain_len=0).continuation_len == 1
+    assert RestParams(chain_len=32, cont_len=10).continuation_len == 10

@@ -97,7 +97,7 @@ def test_threaded_context_ngram_equals_single_threaded(num_threads):
     rows = np.arange(256, dtype=np.int32)[::-1].copy()
 
     def run(threads: int):
-        return context_ngram(tokens, lengths, rows, k=4, w=6, q_min=1, q_max=4, num_threads=threads)
+        return context_ngram(tokens, lengths, rows, num_drafts=4, draft_len=6, q_min=1, q_max=4, num_threads=threads)
 
     assert_same_arrays(run(num_threads), run(1), ("tokens", "lengths", "counts", "match_len"))
 
@@ -131,12 +131,12 @@ def test_threaded_merge_equals_single_threaded(num_threads):
 def test_concurrent_kernel_calls_give_the_single_threaded_result():
     tokens, lengths = repetitive_contexts(256, 600, 6, seed=4)
     rows = np.arange(256, dtype=np.int32)
-    expected = context_ngram(tokens, lengths, rows, k=2, w=4, q_min=1, q_max=3, num_threads=1)
+    expected = context_ngram(tokens, lengths, rows, num_drafts=2, draft_len=4, q_min=1, q_max=3, num_threads=1)
     mismatches: list[int] = []
 
     def call() -> None:
         for _ in range(10):
-            got = context_ngram(tokens, lengths, rows, k=2, w=4, q_min=1, q_max=3)
+            got = context_ngram(tokens, lengths, rows, num_drafts=2, draft_len=4, q_min=1, q_max=3)
             mismatches.append(int((got.tokens != expected.tokens).sum()))
 
     threads = [threading.Thread(target=call) for _ in range(3)]

@@ -222,12 +222,16 @@ def test_layout_check_accepts_its_own_layout_and_refuses_the_other(layout):
         check_layout(batch.cache, other, slots, keys.reshape(9, -1), values.reshape(9, -1))
 
 
-def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str) -> dict:
-    """A random cache, random trees and a strided query for the kernel (its keyword arguments)."""
-    group, kv_heads = int(rng.choice([1, 3, 4])), int(rng.integers(1, 3))
-    head_size, block_size = int(rng.choice([8, 37, 64])), int(rng.choice([5, 16, 32]))
-    requests = int(rng.integers(1, 5))
-    contexts = rng.integers(1, 60, requests)
+def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str,
+                      **shape: int) -> dict:
+    """A random cache, random trees and a strided query for the kernel (its keyword arguments);
+    ``shape`` fixes some of ``group, kv_heads, head_size, requests, min_context, max_context``."""
+    group = shape.get("group") or int(rng.choice([1, 3, 4]))
+    kv_heads = shape.get("kv_heads") or int(rng.integers(1, 3))
+    head_size = shape.get("head_size") or int(rng.choice([8, 37, 64]))
+    block_size = int(rng.choice([5, 16, 32]))
+    requests = shape.get("requests") or int(rng.integers(1, 5))
+    contexts = rng.integers(shape.get("min_context", 1), shape.get("max_context", 60), requests)
     sizes = rng.integers(2, 40, requests)
     width = int((contexts + sizes).max()) // block_size + 1
     parents = [np.array([int(rng.integers(-1, j)) for j in range(size)], dtype=np.int32) for size in sizes]
@@ -295,6 +299,29 @@ def test_kernel_matches_reference_with_window_softcap_and_sinks(layout, dtype, d
         inputs = random_tree_batch(rng, layout, dtype, device)
         options = attention_options(rng, inputs["heads"], device)
         out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device=device)
+        tree_attention(layout=layout, out=out, **inputs, **options)
+        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
+                for name, value in {**inputs, **options}.items()}
+        expected = tree_attention_reference(layout=layout, **host)
+        got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
+        torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@NO_CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize(("group", "kv_heads", "requests"), [(1, 2, 2), (4, 2, 3), (1, 32, 24)])
+def test_cuda_kernel_matches_reference_on_long_contexts(layout, dtype, group, kv_heads, requests):
+    """Contexts of thousands of keys (many tiles, split over blocks when the batch is small;
+    32 kv heads of 24 requests fill the GPU unsplit), head size 128, windows, soft-caps, sinks."""
+    rng = np.random.default_rng(13)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(3):
+        inputs = random_tree_batch(rng, layout, dtype, "cuda", group=group, kv_heads=kv_heads, head_size=128,
+                                   requests=requests, min_context=2900, max_context=3100)
+        options = attention_options(rng, inputs["heads"], "cuda")
+        options["window"] = int(rng.choice([0, 700, 2990]))
+        out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device="cuda")
         tree_attention(layout=layout, out=out, **inputs, **options)
         host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
                 for name, value in {**inputs, **options}.items()}

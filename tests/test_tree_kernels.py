@@ -24,6 +24,7 @@ from vllm_retrieval_spec.kernels.tree_reference import (
     canonical_sample,
     canonical_total,
     exp_neg,
+    keyed_uniform,
     pack_tree_masks_reference,
     sparse_to_dense,
     target_distributions_reference,
@@ -96,8 +97,9 @@ def random_batch(rng: np.random.Generator, vocab: int, trees: list[list[int]],
                 token = rng.choice(vocab, p=row / row.sum())
             tokens[offsets[b] + local] = token
     seeds = rng.integers(0, 2**63, len(trees), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    positions = rng.integers(0, 2**40, len(trees), dtype=np.int64)  # read by the keyed rule only
     return dict(scores=scores, tokens=tokens, parents=parents, offsets=offsets,
-                rules=np.array(rules, dtype=np.int32), seeds=seeds, draft_probs=draft)
+                rules=np.array(rules, dtype=np.int32), seeds=seeds, draft_probs=draft, positions=positions)
 
 
 def assert_same_acceptance(got, expected) -> None:
@@ -256,7 +258,7 @@ def test_all_zero_probabilities_emit_minus_one():
         (dict(offsets=[1, 3]), "offsets\\[0\\] must be 0"),
         (dict(offsets=[0, 2]), "must equal the number of nodes 3"),
         (dict(tokens=[0, 9, 1]), "tokens\\[1\\] = 9 is outside the vocabulary"),
-        (dict(rules=[4]), "rules\\[0\\] = 4 is not an AcceptRule"),
+        (dict(rules=[5]), "rules\\[0\\] = 5 is not an AcceptRule \\(0-4\\)"),
         (dict(rules=[2]), "draft_probs is required"),
         (dict(scores=np.ones((3, 5), np.float32)), "scores must be \\[N \\+ B, V\\]"),
         (dict(seeds=[1, 2]), "rules and seeds must have one entry per request"),
@@ -623,3 +625,84 @@ def test_cuda_lazy_and_sparse_rows_match_cpu(seed):
     sampling = RowSampling(*(np.asarray(v) for v in vars(batch["sampling"]).values()))
     rows = target_distributions(cuda(logits), cuda(sampling))
     assert np.array_equal(rows.cpu().numpy(), target_distributions(logits, sampling))
+
+
+# ---- the keyed rule (seeded sampling) --------------------------------------------------------
+
+
+def keyed_batch(seed: int, vocab: int, lazy: bool) -> dict:
+    """A batch mixing keyed requests (about half) with the other rules, on probabilities or
+    (lazy) on logits with sampling parameters, and each request's root position."""
+    rng = np.random.default_rng(seed)
+    if lazy:
+        batch = lazy_batch(seed, vocab, sparse=False)
+    else:
+        trees = random_trees(rng, int(rng.integers(1, 8)), int(rng.choice([4, 16])))
+        batch = random_batch(rng, vocab, trees, [int(r) for r in rng.choice([0, 1, 2, 3], len(trees))])
+    rules = batch["rules"]
+    batch["rules"] = np.where(rng.random(len(rules)) < 0.5, AcceptRule.KEYED, rules).astype(np.int32)
+    batch["positions"] = rng.integers(0, 2**40, len(rules), dtype=np.int64)
+    return batch
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([1, 7, 50, 1100]), lazy=st.booleans())
+def test_keyed_rule_matches_reference(seed, vocab, lazy):
+    batch = keyed_batch(seed, vocab, lazy)
+    expected = accept_trees_reference(**batch)
+    for threads in (1, 3):
+        assert_same_acceptance(accept_trees(**batch, num_threads=threads), expected)
+
+
+def test_keyed_rule_emits_the_no_draft_tokens_whatever_was_drafted():
+    """Position t's token is the keyed sample of its row, drafted or not: a tree accepts the
+    child carrying it (wherever it sits among its siblings) and emits the next one."""
+    rng = np.random.default_rng(11)
+    vocab, seed, position = 300, 4242, 77
+    root, child = probability_row(rng, vocab), probability_row(rng, vocab)
+    first = canonical_sample(root.astype(np.float64), keyed_uniform(seed, position))
+    second = canonical_sample(child.astype(np.float64), keyed_uniform(seed, position + 1))
+    others = [t for t in range(vocab) if t != first][:3]
+
+    def run(tokens: list[int], parents: list[int]):
+        rows = np.stack([root] + [child if t == first else probability_row(rng, vocab) for t in tokens])
+        return accept_trees(rows, np.array(tokens, np.int32), np.array(parents, np.int32),
+                            np.array([0, len(tokens)], np.int32), [AcceptRule.KEYED], [seed],
+                            positions=[position], out_width=3)
+
+    assert run([], []).tokens(0) == [first]
+    assert run(others, [-1, -1, -1]).tokens(0) == [first]
+    for place in range(4):
+        siblings = [*others[:place], first, *others[place:]]
+        out = run(siblings, [-1] * 4)
+        assert out.tokens(0) == [first, second] and out.path_nodes[0, 0] == place
+
+
+def test_keyed_rule_needs_positions():
+    batch = keyed_batch(5, 50, lazy=False)
+    batch["rules"][0] = AcceptRule.KEYED
+    with pytest.raises(ValueError, match=r"positions .* is required by AcceptRule\.KEYED"):
+        accept_trees(**(batch | dict(positions=None)))
+    with pytest.raises(ValueError, match="positions must have one entry per request"):
+        accept_trees(**(batch | dict(positions=np.zeros(len(batch["rules"]) + 1, np.int64))))
+    with pytest.raises(ValueError, match=r"positions\[0\] = -1 must be >= 0"):
+        accept_trees(**(batch | dict(positions=np.full(len(batch["rules"]), -1, np.int64))))
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
+@pytest.mark.parametrize("seed", range(12))
+def test_cuda_keyed_rule_matches_cpu(seed):
+    import torch
+
+    vocab = [7, 50, 1100, 40000][seed % 4]
+    batch = keyed_batch(4000 + seed, vocab, lazy=seed % 2 == 1)
+    expected = accept_trees(**batch)
+
+    def cuda(value):
+        if isinstance(value, RowSampling):
+            return RowSampling(*(torch.from_numpy(np.asarray(v)).cuda() for v in vars(value).values()))
+        return torch.from_numpy(np.asarray(value)).cuda()
+
+    got = accept_trees(**{k: cuda(v) for k, v in batch.items()})
+    for name in ("out_tokens", "path_nodes", "num_accepted"):
+        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name

@@ -22,3 +22,10 @@ class OverlongProposer(DraftProposer):
 
     def draft(self, batch: DraftBatch):
         return ChainDrafts.from_lists([[1] * (3 * self.num_speculative_tokens)] * len(batch))
+
+
+class NoDraftProposer(DraftProposer):
+    """Never drafts: every step of a speculative engine verifies nothing."""
+
+    def draft(self, batch: DraftBatch):
+        return ChainDrafts.from_lists([[] for _ in range(len(batch))])

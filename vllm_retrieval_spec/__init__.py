@@ -11,22 +11,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from vllm_retrieval_spec.proposers.registry import PROPOSERS
+
 if TYPE_CHECKING:
     from vllm_retrieval_spec.proposers.base import DraftProposer
 
 __version__ = "0.1.0"
 
-_PROPOSERS = {
-    "PromptLookupProposer": "vllm_retrieval_spec.proposers.prompt_lookup",
-    "RestProposer": "vllm_retrieval_spec.proposers.rest",
-    "DReSDProposer": "vllm_retrieval_spec.proposers.dresd",
-    "NGrammysProposer": "vllm_retrieval_spec.proposers.ngrammys",
-    "NGramProposer": "vllm_retrieval_spec.proposers.ngrammys",  # deprecated alias of NGrammysProposer
-}
-
-PROPOSER_NAMES = tuple(_PROPOSERS)  # addressed as vllm_retrieval_spec.<name> in --speculative-config
-
-__all__ = ["__version__", "register", *_PROPOSERS]
+__all__ = ["__version__", "register", *PROPOSERS]
 
 
 def register() -> None:
@@ -37,7 +29,7 @@ def register() -> None:
 
 
 def __getattr__(name: str) -> type[DraftProposer]:
-    module = _PROPOSERS.get(name)
-    if module is None:
+    proposer = PROPOSERS.get(name)
+    if proposer is None:
         raise AttributeError(f"module 'vllm_retrieval_spec' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(proposer.module), name)

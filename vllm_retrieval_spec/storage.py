@@ -18,11 +18,14 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
 from vllm_retrieval_spec.validation import IntBounds, has_type, int_in, require_ints
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MANIFEST = "manifest.json"
 # The largest vocabulary a manifest may record: token ids are int32 throughout the package, and
@@ -393,3 +396,72 @@ def verify_file_records(directory: Path, records: Mapping[str, Mapping[str, Any]
         if actual != expected["sha256"]:
             raise kind.fail(f"{directory / name} is corrupt: sha256 {actual[:16]}…, manifest says "
                             f"{expected['sha256'][:16]}…")
+
+
+# --- What an artifact was built for -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What makes two tokenizers interchangeable for a store of token ids."""
+
+    name: str
+    vocab_size: int
+    vocab_sha256: str
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, name: str | None = None) -> TokenizerIdentity:
+        """Identity of a transformers tokenizer (hash over the sorted token -> id map)."""
+        vocab = tokenizer.get_vocab()
+        payload = json.dumps(sorted(vocab.items(), key=lambda item: item[1]), ensure_ascii=False)
+        return cls(
+            name=name or str(getattr(tokenizer, "name_or_path", "") or "unknown"),
+            vocab_size=max(len(tokenizer), max(vocab.values()) + 1),
+            vocab_sha256=hashlib.sha256(payload.encode()).hexdigest(),
+        )
+
+    def matches(self, other: TokenizerIdentity) -> bool:
+        return self.vocab_size == other.vocab_size and self.vocab_sha256 == other.vocab_sha256
+
+    def describe(self) -> str:
+        return f"tokenizer {self.name!r} (vocab {self.vocab_size}, hash {self.vocab_sha256[:12]})"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What ties an artifact to a model: its config and its tokenizer's vocabulary."""
+
+    name: str
+    vocab_size: int
+    config_sha256: str
+    vocab_sha256: str
+
+    @classmethod
+    def of(cls, model_dir: str | Path, flag: str = "--model") -> ModelIdentity:
+        """The identity of the model in ``model_dir`` (a local directory; ``flag`` names it in errors)."""
+        model_dir = local_model_dir(model_dir, flag)
+        from transformers import AutoTokenizer
+
+        config = json.loads((model_dir / "config.json").read_text())
+        canonical = json.dumps(config, sort_keys=True).encode()
+        tokenizer = TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(model_dir.name, int(config["vocab_size"]), hashlib.sha256(canonical).hexdigest(),
+                   tokenizer.vocab_sha256)
+
+    def matches(self, other: ModelIdentity) -> bool:
+        return (self.config_sha256, self.vocab_sha256) == (other.config_sha256, other.vocab_sha256)
+
+    def describe(self) -> str:
+        return (f"model {self.name!r} (config {self.config_sha256[:12]}, vocab {self.vocab_size}, "
+                f"tokenizer {self.vocab_sha256[:12]})")
+
+
+def refuse_another_identity(kind: ArtifactKind, path: Path, built: TokenizerIdentity | ModelIdentity,
+                            served: TokenizerIdentity | ModelIdentity) -> None:
+    """Fail naming both when the artifact at ``path`` was built for another tokenizer or model
+    than the one served."""
+    if not built.matches(served):
+        raise kind.error(
+            f"{kind.noun} {path} was built for {built.describe()}, but the model is served with "
+            f"{served.describe()}; rebuild it with {kind.build_command}"
+        )

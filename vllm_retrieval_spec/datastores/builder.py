@@ -97,7 +97,7 @@ def build_datastore(
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
     token_dtype = token_dtype_for(identity.vocab_size)
-    render_chat = _chat_renderer(tokenizer)
+    render_chat = chat_renderer(tokenizer)
     stream = DocumentStream(inputs, render_chat)
     start = time.perf_counter()
     with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
@@ -136,7 +136,8 @@ def build_datastore(
                        stream.files_read, stream.files_skipped)
 
 
-def _chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
+def chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
+    """Renders chat messages with the tokenizer's chat template (None when it has none)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
 
@@ -146,7 +147,8 @@ def _chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
     return render
 
 
-def _batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -> Iterator[list[str]]:
+def document_batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -> Iterator[list[str]]:
+    """The documents in lists of about ``batch_chars`` characters (tokenized together)."""
     batch: list[str] = []
     size = 0
     for document in documents:
@@ -169,7 +171,7 @@ def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, ha
     bar = tqdm(total=total_files, unit="file" if total_files is not None else "doc",
                desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
-        for batch in _batches(stream):
+        for batch in document_batches(stream):
             encodings = backend.encode_batch_fast(batch, add_special_tokens=False)
             pieces = []
             for encoding in encodings:

@@ -21,11 +21,9 @@ from vllm_retrieval_spec.datastores.dense_format import (
     DenseDatastoreError,
     DenseManifest,
     dense_recipe_store_dir,
-    refuse_another_model,
 )
-from vllm_retrieval_spec.datastores.resolve import _as_directory
-from vllm_retrieval_spec.ngrams.table import ModelIdentity
-from vllm_retrieval_spec.storage import map_array, verify_file_records
+from vllm_retrieval_spec.datastores.resolve import as_directory
+from vllm_retrieval_spec.storage import ModelIdentity, map_array, refuse_another_identity, verify_file_records
 
 NORM_EPSILON = 1e-12  # the L2 normalisation divides by max(norm, NORM_EPSILON)
 VALUE_CHECK_ROWS = 1 << 20  # rows of values.bin checked per chunk at open
@@ -84,7 +82,7 @@ class DenseDatastore(VerifiedInBackground):
         path = Path(path)
         manifest = DenseManifest.read(path)
         if model_identity is not None:
-            refuse_another_model(path, manifest.model, model_identity)
+            refuse_another_identity(DENSE_DATASTORE, path, manifest.model, model_identity)
         hidden, dim = manifest.hidden_size, manifest.dim
         transform = DenseTransform(
             mean=map_array(path / MEAN, np.float32, (hidden,), DENSE_DATASTORE),
@@ -200,7 +198,7 @@ class DenseDatastore(VerifiedInBackground):
 
     def check_model(self, expected: ModelIdentity) -> None:
         """Fail naming both models when the store was built for another one than ``expected``."""
-        refuse_another_model(self.path, self.manifest.model, expected)
+        refuse_another_identity(DENSE_DATASTORE, self.path, self.manifest.model, expected)
 
     def check_fully(self) -> None:
         """Checksums of every file against the manifest (reads everything once)."""
@@ -273,7 +271,7 @@ def resolve_dense_datastore_dir(option: str, model: ModelIdentity) -> Path:
     """A directory path is used as given; a recipe name maps to its cached build for ``model``."""
     from vllm_retrieval_spec.datastores.recipes import available_recipes
 
-    path = _as_directory(option)
+    path = as_directory(option)
     if path is not None:
         return path
     if option not in available_recipes():
@@ -292,7 +290,7 @@ def open_dense_datastore_for_model(option: str, model_dir: str | Path, **open_op
     """Open the store ``option`` names (a directory or a dense recipe's cached build) and check it
     against the model in ``model_dir``. A store given by path is opened before the model's
     tokenizer loads, so a missing or corrupt one fails at once."""
-    path = _as_directory(option)
+    path = as_directory(option)
     if path is None:
         identity = ModelIdentity.of(model_dir)
         return DenseDatastore.open(resolve_dense_datastore_dir(option, identity), identity, **open_options)

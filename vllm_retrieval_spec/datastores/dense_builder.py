@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_retrieval_spec import __version__
-from vllm_retrieval_spec.datastores.builder import _batches, _chat_renderer, load_tokenizer
+from vllm_retrieval_spec.datastores.builder import chat_renderer, document_batches, load_tokenizer
 from vllm_retrieval_spec.datastores.dense import DenseTransform
 from vllm_retrieval_spec.datastores.dense_format import (
     COMPONENTS,
@@ -37,8 +37,7 @@ from vllm_retrieval_spec.datastores.dense_index import (
     plan_index,
 )
 from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
-from vllm_retrieval_spec.ngrams.table import ModelIdentity
-from vllm_retrieval_spec.storage import atomic_directory, check_build_target, file_records
+from vllm_retrieval_spec.storage import ModelIdentity, atomic_directory, check_build_target, file_records
 from vllm_retrieval_spec.validation import require_ints
 
 if TYPE_CHECKING:
@@ -177,7 +176,7 @@ def build_dense_datastore(
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_dir, "--model")
     identity = ModelIdentity.of(model_dir)
-    stream = DocumentStream(inputs, _chat_renderer(tokenizer))
+    stream = DocumentStream(inputs, chat_renderer(tokenizer))
     corpus = tokenize_corpus(tokenizer, stream, options.document_stride, progress)
     windows = plan_windows(corpus, options)
     if windows.num_positions < options.dim:
@@ -267,7 +266,7 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerFast, documents: Iterable[str]
     pieces, lengths = [], []
     taken = (doc for i, doc in enumerate(documents) if i % document_stride == 0)
     with tqdm(desc="tokenizing", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
-        for batch in _batches(taken):
+        for batch in document_batches(taken):
             for encoding in backend.encode_batch_fast(batch, add_special_tokens=False):
                 pieces.append(np.asarray(encoding.ids, dtype=np.int32))
                 lengths.append(len(encoding.ids))

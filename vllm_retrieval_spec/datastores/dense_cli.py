@@ -42,9 +42,8 @@ def run_build_dense(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores.dense_builder import DenseBuildOptions, build_dense_datastore
     from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE, dense_recipe_store_dir
     from vllm_retrieval_spec.datastores.recipes import load_recipe
-    from vllm_retrieval_spec.datastores.sources import InputSpec
-    from vllm_retrieval_spec.ngrams.table import ModelIdentity
-    from vllm_retrieval_spec.storage import check_build_target
+    from vllm_retrieval_spec.datastores.sources import input_specs_of
+    from vllm_retrieval_spec.storage import ModelIdentity, check_build_target
 
     if bool(args.recipe) == bool(args.input):
         raise ValueError("datastore build-dense: give either --recipe NAME or --input PATH ...")
@@ -58,8 +57,7 @@ def run_build_dense(args: argparse.Namespace) -> None:
     else:
         if not args.out:
             raise ValueError("datastore build-dense: --out DIR is required with --input")
-        include = tuple(args.include or ["*"])
-        inputs = [InputSpec(Path(p), include, tuple(args.exclude or ()), args.text_field) for p in args.input]
+        inputs = input_specs_of(args)
         out = Path(args.out)
     given = {name: getattr(args, name) for name in OPTION_FLAGS if getattr(args, name, None) is not None}
     report = build_dense_datastore(args.model, inputs, out, dataclasses.replace(options, **given),

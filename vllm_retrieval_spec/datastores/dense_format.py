@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_retrieval_spec.datastores.format import DatastoreError
-from vllm_retrieval_spec.ngrams.table import ModelIdentity
 from vllm_retrieval_spec.paths import cache_root
 from vllm_retrieval_spec.storage import (
     MAX_VOCAB_SIZE,
     ArtifactKind,
+    ModelIdentity,
     check_manifest_ints,
     manifest_record,
     read_manifest,
@@ -173,17 +173,6 @@ def is_dense_datastore(directory: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(raw, dict) and "hidden_size" in raw
-
-
-def refuse_another_model(path: Path, built: ModelIdentity, expected: ModelIdentity) -> None:
-    """Fail naming both models when the store at ``path`` was built for another model or tokenizer."""
-    if not built.matches(expected):
-        raise DenseDatastoreError(
-            f"dense datastore {path} was built for model {built.name!r} (config {built.config_sha256[:12]}, "
-            f"vocab {built.vocab_size}, tokenizer {built.vocab_sha256[:12]}), but the model is "
-            f"{expected.name!r} (config {expected.config_sha256[:12]}, vocab {expected.vocab_size}, "
-            f"tokenizer {expected.vocab_sha256[:12]}); rebuild it for this model with {BUILD_DENSE}"
-        )
 
 
 def dense_recipe_store_dir(name: str, model: ModelIdentity) -> Path:

@@ -13,8 +13,6 @@ A datastore directory holds:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +23,7 @@ from vllm_retrieval_spec.storage import (
     MAX_VOCAB_SIZE,
     ArtifactKind,
     StorageError,
+    TokenizerIdentity,
     check_manifest_ints,
     manifest_record,
     read_manifest,
@@ -32,7 +31,7 @@ from vllm_retrieval_spec.storage import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 FORMAT_VERSION = 1
 TOKENS = "tokens.bin"
@@ -56,29 +55,6 @@ DATASTORE = ArtifactKind(
     dtypes={"token_dtype": TOKEN_DTYPES, "suffix_array_dtype": SUFFIX_ARRAY_DTYPES},
     data_files=(TOKENS, SUFFIX_ARRAY),
 )
-
-
-@dataclass(frozen=True)
-class TokenizerIdentity:
-    """What makes two tokenizers interchangeable for a datastore."""
-
-    name: str
-    vocab_size: int
-    vocab_sha256: str
-
-    @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase, name: str | None = None) -> TokenizerIdentity:
-        """Identity of a transformers tokenizer (hash over the sorted token -> id map)."""
-        vocab = tokenizer.get_vocab()
-        payload = json.dumps(sorted(vocab.items(), key=lambda item: item[1]), ensure_ascii=False)
-        return cls(
-            name=name or str(getattr(tokenizer, "name_or_path", "") or "unknown"),
-            vocab_size=max(len(tokenizer), max(vocab.values()) + 1),
-            vocab_sha256=hashlib.sha256(payload.encode()).hexdigest(),
-        )
-
-    def matches(self, other: TokenizerIdentity) -> bool:
-        return self.vocab_size == other.vocab_size and self.vocab_sha256 == other.vocab_sha256
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:

@@ -14,13 +14,11 @@ from vllm_retrieval_spec.datastores.format import (
     DATASTORE,
     SUFFIX_ARRAY,
     TOKENS,
-    DatastoreError,
     Manifest,
-    TokenizerIdentity,
 )
 from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.kernels.rest import native_suffix_store
-from vllm_retrieval_spec.storage import map_array, verify_file_records
+from vllm_retrieval_spec.storage import TokenizerIdentity, map_array, refuse_another_identity, verify_file_records
 
 ORDER_CHECK_SAMPLES = 1 << 20  # adjacent suffix pairs compared at open (every pair below this)
 ORDER_CHECK_TOKENS = 32  # tokens compared per pair
@@ -47,7 +45,7 @@ class TokenDatastore(VerifiedInBackground):
         path = Path(path)
         manifest = Manifest.read(path)
         if expected_tokenizer is not None:
-            _refuse_another_tokenizer(path, manifest.tokenizer, expected_tokenizer)
+            refuse_another_identity(DATASTORE, path, manifest.tokenizer, expected_tokenizer)
         store = cls(
             path=path,
             manifest=manifest,
@@ -62,7 +60,7 @@ class TokenDatastore(VerifiedInBackground):
 
     def check_tokenizer(self, expected: TokenizerIdentity) -> None:
         """Fail naming both tokenizers when the store was built for another one than ``expected``."""
-        _refuse_another_tokenizer(self.path, self.manifest.tokenizer, expected)
+        refuse_another_identity(DATASTORE, self.path, self.manifest.tokenizer, expected)
 
     def prefetch(self, wait: bool = False) -> None:
         """Ask the kernel to read both files into the page cache (``madvise(WILLNEED)``, which
@@ -113,17 +111,6 @@ class TokenDatastore(VerifiedInBackground):
             f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
             f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
         ])
-
-
-def _refuse_another_tokenizer(path: Path, built: TokenizerIdentity, expected: TokenizerIdentity) -> None:
-    if not built.matches(expected):
-        raise DatastoreError(
-            f"datastore {path} was built with tokenizer {built.name!r} "
-            f"(vocab {built.vocab_size}, hash {built.vocab_sha256[:12]}), "
-            f"but the model is served with tokenizer {expected.name!r} "
-            f"(vocab {expected.vocab_size}, hash {expected.vocab_sha256[:12]}); "
-            "rebuild the datastore with `vllm-retrieval-spec datastore build --tokenizer MODEL_DIR ...`"
-        )
 
 
 def first_token_offsets(

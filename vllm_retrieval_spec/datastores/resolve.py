@@ -16,7 +16,7 @@ def tokenizer_identity(tokenizer_dir: str | Path) -> TokenizerIdentity:
     return TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(tokenizer_dir)), name=Path(tokenizer_dir).name)
 
 
-def _as_directory(option: str) -> Path | None:
+def as_directory(option: str) -> Path | None:
     """The directory ``option`` names when it is a path (it exists or has a slash), else None."""
     path = Path(option).expanduser()
     return path if path.exists() or "/" in option else None
@@ -24,7 +24,7 @@ def _as_directory(option: str) -> Path | None:
 
 def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
     """A directory path is used as given; a recipe name maps to its cached build."""
-    path = _as_directory(option)
+    path = as_directory(option)
     if path is not None:
         return path
     if option in available_recipes():
@@ -44,7 +44,7 @@ def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
 def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[TokenDatastore, TokenizerIdentity]:
     """Open the store named by ``option`` and check it against the model's tokenizer. A store
     given by path is opened before the tokenizer loads, so a missing or corrupt one fails at once."""
-    path = _as_directory(option)
+    path = as_directory(option)
     if path is None:
         identity = tokenizer_identity(tokenizer_dir)
         return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity

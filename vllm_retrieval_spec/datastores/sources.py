@@ -51,6 +51,13 @@ def add_input_arguments(parser: argparse.ArgumentParser, recipe_example: str) ->
                         "records with 'messages' are rendered with the chat template)")
 
 
+def input_specs_of(args: argparse.Namespace) -> list[InputSpec]:
+    """The ``--input`` paths with the ``--include``, ``--exclude`` and ``--text-field`` flags of
+    :func:`add_input_arguments`."""
+    include = tuple(args.include or ["*"])
+    return [InputSpec(Path(path), include, tuple(args.exclude or ()), args.text_field) for path in args.input]
+
+
 def _match(relative: str, name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(relative, pattern) or ("/" not in pattern and fnmatch.fnmatchcase(name, pattern))
 

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_retrieval_spec.drafts import DraftNodes, count_sources
-from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration, node_depths, path_products
+from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration
 from vllm_retrieval_spec.goodput.chooser import choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
+from vllm_retrieval_spec.goodput.paths import fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
+from vllm_retrieval_spec.kernels.rest import ChanceTable
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class BudgetStats:
     accepted_nodes: int = 0
     observed_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    drafting_seconds: float = 0.0  # searching and drafting, summed over the steps that chose
 
 
 class RequestFactors:
@@ -200,6 +203,7 @@ class GoodputBudget:
                               draft_seconds, self.margin, main_path, samples)
         self.calibration.tick()
         self.stats.steps += 1
+        self.stats.drafting_seconds += draft_seconds
         self.stats.candidate_nodes += int(valid.sum())
         kept = int(choice.keep.sum())
         self.stats.chosen_nodes += kept
@@ -223,9 +227,9 @@ class GoodputBudget:
             stats.observed_nodes, stats.skipped_rows,
         )
 
-    def nothing_drafted(self) -> None:
-        """A step without candidates: nothing to observe next step."""
-        self._pending = None
+    def chance_table(self) -> ChanceTable:
+        """The calibration's chance of every bucket, for a drafter to rank its candidates by."""
+        return self.calibration.chance_table()
 
     def release(self, req_ids: Iterable[str]) -> None:
         self.factors.release(req_ids)
@@ -246,17 +250,10 @@ def _padded(lists: Sequence[Sequence[int]], width: int) -> np.ndarray:
 def _outcomes(tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, keep: np.ndarray,
               sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per verified node: accepted (its parent was and the target sampled its token at its
-    depth) and observed (its parent was accepted and the step sampled past its depth)."""
-    rows = np.arange(tokens.shape[0])
-    emitted = (sampled >= 0).sum(axis=1)
-    accepted = np.zeros(tokens.shape, bool)
-    observed = np.zeros(tokens.shape, bool)
-    for column in range(tokens.shape[1]):
-        parent = parents[:, column]
-        parent_ok = np.where(parent >= 0, accepted[rows, np.maximum(parent, 0)], True)
-        d = depth[:, column]
-        seen = keep[:, column] & parent_ok & (d < emitted)
-        matched = tokens[:, column] == sampled[rows, d]
-        observed[:, column] = seen & ~(matched & (d == emitted - 1))  # cut by the scheduler: unknown
-        accepted[:, column] = observed[:, column] & matched
+    depth) and observed (its parent was accepted and the step sampled past its depth); a node
+    matching the last sampled token was cut by the scheduler: unknown."""
+    emitted = (sampled >= 0).sum(axis=1)[:, None]
+    matched = tokens == np.take_along_axis(sampled, depth, axis=1)
+    accepted = fold_paths(keep & matched & (depth < emitted - 1), parents, np.logical_and)
+    observed = keep & parent_values(accepted, parents, True) & (depth < emitted) & ~(matched & (depth == emitted - 1))
     return accepted, observed

@@ -1,10 +1,14 @@
 """Acceptance chances of draft nodes, calibrated online against what verification accepted.
 
 A node's chance of being accepted given that its parent is comes from decaying,
-Laplace-smoothed counts keyed by (source, match-length bucket, depth, raw-probability
-bucket). Sparse buckets borrow from their (source, depth) total, which borrows from the
+Laplace-smoothed counts keyed by (source, match-length bucket, depth bucket, raw-probability
+bucket). Depth buckets are exact up to 8 and log-spaced beyond (two per doubling), so that deep
+drafts (up to vLLM's 128 tokens) keep separate estimates without thinning the shallow ones.
+Sparse buckets borrow from their (source, depth) total, which borrows from the
 drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
 halved every ``decay_every`` steps so that the estimates follow the traffic.
+:meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
+ranks its candidates by it.
 """
 
 from __future__ import annotations
@@ -14,35 +18,31 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
+from vllm_retrieval_spec.kernels.rest import ChanceTable
+from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
 # Match-length buckets: 0 | 1 | 2 | 3-4 | 5-8 | 9-16 | 17+ tokens.
 MATCH_LENGTH_EDGES = np.array([1, 2, 3, 5, 9, 17])
-MAX_DEPTH = 16  # deeper nodes share the last depth bucket
+# Depth buckets (0 = a child of the root): 0 | 1 | ... | 7 | 8-11 | 12-15 | 16-23 | 24-31 | 32-47 |
+# 48-63 | 64-95 | 96+.
+DEPTH_EDGES = np.array([1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96])
 PROB_BUCKETS = 10  # raw probability in tenths
-SHAPE = (NUM_SOURCE_CODES, len(MATCH_LENGTH_EDGES) + 1, MAX_DEPTH, PROB_BUCKETS)
+SHAPE = (NUM_SOURCE_CODES, len(MATCH_LENGTH_EDGES) + 1, len(DEPTH_EDGES) + 1, PROB_BUCKETS)
+# Bucket lookups (longer or deeper: the last entry's), shared with the kernel's ChanceTable.
+LENGTH_BUCKET = np.searchsorted(MATCH_LENGTH_EDGES, np.arange(MATCH_LENGTH_EDGES[-1] + 1), "right").astype(np.int32)
+DEPTH_BUCKET = np.searchsorted(DEPTH_EDGES, np.arange(MAX_SPEC_LEN), "right").astype(np.int32)
 RAW_PRIOR_SCALE = 0.5
 MAX_CHANCE = 0.99
 MIN_CHANCE = 1e-4
+TABLE_REFRESH_STEPS = 4  # the kernel's chance table follows the counts this many steps behind at most
 
 
-def node_depths(parents: np.ndarray) -> np.ndarray:
-    """Depth (0 = a child of the root) of every node of ``[rows, N]`` parents-first trees."""
-    depth = np.zeros(parents.shape, np.int32)
-    rows = np.arange(parents.shape[0])
-    for column in range(1, parents.shape[1]):
-        parent = parents[:, column]
-        depth[:, column] = np.where(parent >= 0, depth[rows, np.maximum(parent, 0)] + 1, 0)
-    return depth
-
-
-def path_products(chance: np.ndarray, parents: np.ndarray) -> np.ndarray:
-    """The chance that each node is accepted: the product of conditional chances along its path."""
-    path = chance.astype(np.float64, copy=True)
-    rows = np.arange(parents.shape[0])
-    for column in range(1, parents.shape[1]):
-        parent = parents[:, column]
-        path[:, column] *= np.where(parent >= 0, path[rows, np.maximum(parent, 0)], 1.0)
-    return path
+def _smoothed(accepted: np.ndarray, observed: np.ndarray, coarse_accepted: np.ndarray, coarse_observed: np.ndarray,
+              raw_prob: np.ndarray, strength: float) -> np.ndarray:
+    """Laplace-smoothed chance: the bucket's counts over its (source, depth) counts over the
+    drafter's halved guess (arrays that broadcast together)."""
+    coarse = (coarse_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (coarse_observed + strength)
+    return np.clip((accepted + strength * coarse) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
 
 
 @dataclass
@@ -61,25 +61,38 @@ class AcceptanceCalibration:
     accepted_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
     observed_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
     steps: int = 0
+    _table: ChanceTable | None = field(default=None, repr=False)
+    _table_step: int = -TABLE_REFRESH_STEPS
+    _table_stale: bool = True
 
     @staticmethod
     def buckets(nodes: DraftNodes, depth: np.ndarray) -> np.ndarray:
         """The flat bucket index of every node, ``[rows, N]``."""
-        length = np.searchsorted(MATCH_LENGTH_EDGES, nodes.match_len, side="right")
+        length = LENGTH_BUCKET[np.clip(nodes.match_len, 0, len(LENGTH_BUCKET) - 1)]
+        deep = DEPTH_BUCKET[np.clip(depth, 0, len(DEPTH_BUCKET) - 1)]
         prob = np.clip((nodes.prob * PROB_BUCKETS).astype(np.int64), 0, PROB_BUCKETS - 1)
         source = np.asarray(nodes.source, np.int64) % NUM_SOURCE_CODES
-        return np.ravel_multi_index((source, length, np.minimum(depth, MAX_DEPTH - 1), prob), SHAPE)
+        return np.ravel_multi_index((source, length, deep, prob), SHAPE)
 
     def estimate(self, bucket: np.ndarray, raw_prob: np.ndarray) -> np.ndarray:
         """Calibrated chance per node that it is accepted given its parent is."""
-        strength = self.prior_strength
         coarse = _coarse_index(bucket)
-        guess = RAW_PRIOR_SCALE * np.asarray(raw_prob, np.float64)
-        coarse_chance = (self.accepted_coarse.reshape(-1)[coarse] + strength * guess) / (
-            self.observed_coarse.reshape(-1)[coarse] + strength)
-        flat_accepted, flat_observed = self.accepted.reshape(-1), self.observed.reshape(-1)
-        chance = (flat_accepted[bucket] + strength * coarse_chance) / (flat_observed[bucket] + strength)
-        return np.clip(chance, MIN_CHANCE, MAX_CHANCE)
+        return _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
+                         self.accepted_coarse.reshape(-1)[coarse], self.observed_coarse.reshape(-1)[coarse],
+                         np.asarray(raw_prob, np.float64), self.prior_strength)
+
+    def chance_table(self) -> ChanceTable:
+        """Every bucket's chance (its raw-probability bucket's midpoint as the drafter's guess),
+        for the kernel to rank candidates by; rebuilt at most every ``TABLE_REFRESH_STEPS`` steps
+        and only after new observations (the same arrays otherwise: nothing copied)."""
+        if self._table is None or (self._table_stale and self.steps - self._table_step >= TABLE_REFRESH_STEPS):
+            midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
+            coarse = (slice(None), None, slice(None), None)
+            chance = _smoothed(self.accepted, self.observed, self.accepted_coarse[coarse],
+                               self.observed_coarse[coarse], midpoint, self.prior_strength)
+            self._table = ChanceTable(chance.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
+            self._table_step, self._table_stale = self.steps, False
+        return self._table
 
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have
@@ -101,6 +114,7 @@ class AcceptanceCalibration:
                                       (self.accepted_total, bucket, hits), (self.observed_total, bucket, 1.0),
                                       (self.predicted_total, bucket, predicted)):
             np.add.at(counts.reshape(-1), index, values)
+        self._table_stale = True
 
     def tick(self) -> None:
         """One budget step passed. Counts halve every ``decay_every`` steps, drafted or not, so a
@@ -109,6 +123,7 @@ class AcceptanceCalibration:
         if self.steps % self.decay_every == 0:
             for counts in (self.accepted, self.observed, self.accepted_coarse, self.observed_coarse):
                 counts *= 0.5
+            self._table_stale = True
 
     def report(self, min_observations: int = 1) -> list[dict]:
         """Per bucket with enough observations: its key, the mean predicted chance and the

@@ -21,11 +21,13 @@ import numpy as np
 from vllm_retrieval_spec.goodput.ranks import SharedClock
 
 # Start-up priors (seconds): base, per request, per extra token, per branching tree, per sampled
-# draft token. The CPU one is SmolLM2-135M fp32 on 2 cores; the data replaces either within tens
-# of steps.
+# draft token; the data replaces either within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores.
+# CUDA: a 7B-shaped bf16 stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens
+# (benchmarks/verify_cost.py, results/verify_cost_h100.json); a branching tree there pays our
+# tree-attention kernel over ~1–2k context tokens in 32 layers (results/tree_attention_cuda.json).
 PRIORS = {
     "cpu": (0.040, 0.002, 0.0015, 0.02, 0.0002),
-    "cuda": (0.010, 0.0002, 0.00005, 0.001, 0.00001),
+    "cuda": (0.0057, 0.00011, 0.000018, 0.003, 0.00001),
 }
 FEATURES = 5
 OUTLIER_FACTOR = 3.0

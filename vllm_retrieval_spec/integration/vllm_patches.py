@@ -3,7 +3,10 @@
 Patches are applied once per process by :func:`apply_patches` (the general-plugin hook)
 and each one is idempotent. On an unsupported vLLM the plugin hook only warns, so that
 installing this package never breaks vLLM for other work; our proposers refuse to start
-with a clear message (:func:`require_supported_vllm`).
+with a clear message (:func:`require_supported_vllm`). On a supported version whose symbols
+differ from the declared patch surface (:mod:`.patch_surface`), the hook fails at once, naming
+them. An engine running one of our proposers whose runner cannot hand it its session refuses
+to start when a configured feature needs the session.
 """
 
 from __future__ import annotations
@@ -18,15 +21,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.compat import is_supported_version, version_minor, vllm_version
+from vllm_retrieval_spec.compat import UnsupportedVllmError, is_supported_version, version_minor, vllm_version
+from vllm_retrieval_spec.datastores.live_index import LiveIndex
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, engine_snapshot_path
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.integration.metrics import attach_metrics, engine_label, tensor_parallel_rank
+from vllm_retrieval_spec.integration.patch_surface import (
+    require_instance_attributes,
+    require_patch_surface,
+    supported_versions,
+)
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
-from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
+from vllm_retrieval_spec.proposers.registry import names_this_package
+from vllm_retrieval_spec.verification.admission import refuse_chain_only_features, refuse_unrepeatable_seeds
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
 from vllm_retrieval_spec.verification.tree_attention import require_supported_attention
@@ -48,17 +58,25 @@ def apply_patches() -> None:
     version = vllm_version()
     if not is_supported_version(version):
         logger.warning(
-            "vllm_retrieval_spec: vLLM %s is not supported (0.32.x, 0.33.x); its proposers "
+            "vllm_retrieval_spec: vLLM %s is not supported (%s); its proposers "
             "will refuse to start and no patches are applied",
-            version,
+            version, supported_versions(),
         )
         return
+    require_patch_surface(version, platform_name(current_platform))
     if current_platform.is_cpu():  # vLLM runs C++ fallbacks of its Triton kernels there
         _tolerate_modules_without_dict_in_kernel_rebinding()
         _skip_sampling_constraints_without_drafts()
         if version_minor(version) in CPU_EXPAND_BUG_MINORS:
             _fix_cpu_chain_sampling()
     _patch_constructors()
+
+
+def platform_name(platform: object) -> str:
+    """``cpu``, ``cuda`` or ``other``: which platform-specific symbols of the surface apply."""
+    if platform.is_cpu():
+        return "cpu"
+    return "cuda" if platform.is_cuda() else "other"
 
 
 def _tolerate_modules_without_dict_in_kernel_rebinding() -> None:
@@ -119,11 +137,12 @@ def _fix_cpu_chain_sampling() -> None:
     setattr(rejection_sampler, _PATCHED_FLAG, True)
 
 
-def expand_batch_to_tokens(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
                            replace_from: float = 0, replace_to: float = 0) -> torch.Tensor:
-    """``values[i]`` repeated for each of request ``i``'s tokens (``cu_num_tokens`` is the
-    cumulative count), ``replace_from`` mapped to ``replace_to``; vLLM's semantics."""
-    replaced = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+    """``x[i]`` repeated for each of request ``i``'s tokens (``cu_num_tokens`` is the cumulative
+    count), ``replace_from`` mapped to ``replace_to``; vLLM's semantics and parameter names (the
+    patch surface checks them after this replaced vLLM's)."""
+    replaced = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
     return replaced.repeat_interleave(counts.long(), output_size=num_tokens)
 
@@ -153,10 +172,15 @@ def patch_distribution_version_lookup() -> None:
 # layers and the front end's input processor). Other engines run vLLM's code untouched.
 
 
+def runs_our_proposer(vllm_config: VllmConfig) -> bool:
+    """True when one of our proposers drafts."""
+    spec = vllm_config.speculative_config
+    return spec is not None and names_this_package(spec.model)
+
+
 def tree_mode_enabled(vllm_config: VllmConfig) -> bool:
     """True when one of our proposers runs with ``retrieval_spec.tree``."""
-    spec = vllm_config.speculative_config
-    if spec is None or not str(spec.model or "").startswith("vllm_retrieval_spec."):
+    if not runs_our_proposer(vllm_config):
         return False
     return RetrievalSpecOptions.from_additional_config(vllm_config.additional_config).tree
 
@@ -185,14 +209,49 @@ def _patch_constructors() -> None:
     _wrap(InputProcessor, "__init__", _input_processor_init)
 
 
+class SessionUnavailableError(UnsupportedVllmError):
+    """One of our proposers is configured, but the runner's drafter is not it (a vLLM that wraps
+    custom proposers), so the session its configured features need cannot be attached."""
+
+
 def _runner_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, device, *args, **kwargs):
         original(self, vllm_config, device, *args, **kwargs)
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, DraftProposer):
+            require_instance_attributes(vllm_version(), {"GPUModelRunner": self,
+                                                         "InputBatch": getattr(self, "input_batch", None)})
             attach_session(self, drafter)
+        elif vllm_config.speculative_config is not None and names_this_package(vllm_config.speculative_config.model):
+            require_no_session_needed(drafter)
 
     return __init__
+
+
+def require_no_session_needed(drafter: object) -> None:
+    """The runner holds ``drafter`` instead of our proposer: refuse when our proposer (found one
+    attribute down, where a wrapper keeps it) needs the session for what is configured, or is not
+    found; else warn that it drafts without the session."""
+    ours = _wrapped_proposer(drafter)
+    if ours is None:
+        cause = "our proposer cannot be reached to hand it the runner's session"
+    elif ours.features_needing_session():
+        cause = f"the runner's session, which {', '.join(ours.features_needing_session())} need, cannot be attached"
+    else:
+        logger.warning("vllm_retrieval_spec: the runner's drafter is a %s wrapping %s, which drafts without the "
+                       "runner's session (no metrics)", type(drafter).__name__, type(ours).__name__)
+        return
+    raise SessionUnavailableError(
+        f"vllm_retrieval_spec: vLLM {vllm_version()} keeps the runner's drafter as a {type(drafter).__name__}, "
+        f"not as our proposer, so {cause}; set those options off in --additional-config or use vLLM "
+        f"{supported_versions()}, whose runner holds our proposer itself"
+    )
+
+
+def _wrapped_proposer(drafter: object) -> DraftProposer | None:
+    """Our proposer among ``drafter``'s attributes, if it keeps one."""
+    attributes = vars(drafter).values() if hasattr(drafter, "__dict__") else ()
+    return next((value for value in attributes if isinstance(value, DraftProposer)), None)
 
 
 def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
@@ -208,7 +267,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
         keep_output_index(runner, options, output_index)
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
-                          output_index=output_index)
+                          output_index=output_index,
+                          live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None)
     drafter.bind_session(session)
     attach_metrics(runner, drafter, session)
     runner.vrs_session = session
@@ -432,15 +492,21 @@ def _input_processor_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         if tree_mode_enabled(vllm_config):
-            _hook(self, "_validate_params", _refuse_chain_only_features)
+            _hook(self, "_validate_params", _also(refuse_chain_only_features))
+        elif runs_our_proposer(vllm_config):
+            _hook(self, "_validate_params", _also(refuse_unrepeatable_seeds))
 
     return __init__
 
 
-def _refuse_chain_only_features(original: Callable) -> Callable:
-    def _validate_params(params, *args, **kwargs):
-        result = original(params, *args, **kwargs)
-        refuse_chain_only_features(params)
-        return result
+def _also(refuse: Callable[[object], None]) -> Callable[[Callable], Callable]:
+    """A ``_validate_params`` wrapper that also runs ``refuse`` on the request's parameters."""
+    def make(original: Callable) -> Callable:
+        def _validate_params(params, *args, **kwargs):
+            result = original(params, *args, **kwargs)
+            refuse(params)
+            return result
 
-    return _validate_params
+        return _validate_params
+
+    return make

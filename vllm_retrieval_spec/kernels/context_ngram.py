@@ -2,8 +2,8 @@
 
 For each requested row, the longest ``q`` in ``[q_min, q_max]`` whose last-``q``-token query
 occurs earlier in the row's context; over the most recent ``max_matches`` earlier occurrences,
-the distinct continuations of up to ``w`` tokens (truncated at the end of the context) ranked by
-count, ties to the most recent occurrence. The plain-Python reference is
+the distinct continuations of up to ``draft_len`` tokens (truncated at the end of the context) ranked by
+count, ties to the most recent occurrence, the first ``num_drafts`` of them. The plain-Python reference is
 :mod:`vllm_retrieval_spec.kernels.context_ngram_reference`.
 """
 
@@ -21,11 +21,11 @@ from vllm_retrieval_spec.kernels.extension import cuda_torch, is_cuda_tensor, lo
 
 @dataclass
 class ContextNgramDrafts(DraftArrays):
-    """Up to ``k`` drafts per requested row; the chain is draft 0; trees (the drafts merged,
+    """Up to ``num_drafts`` drafts per requested row; the chain is draft 0; trees (the drafts merged,
     each node's ``tree_prob`` its share of its parent's counts) only after :meth:`build_trees`.
 
-    ``tokens`` is ``[rows, k, w]`` padded with -1, ``lengths`` and ``counts`` are
-    ``[rows, k]`` (0 for empty slots) and ``match_len`` is the ``q`` that matched per row
+    ``tokens`` is ``[rows, num_drafts, draft_len]`` padded with -1, ``lengths`` and ``counts`` are
+    ``[rows, num_drafts]`` (0 for empty slots) and ``match_len`` is the ``q`` that matched per row
     (0: no match). Arrays are NumPy on the CPU, torch tensors for CUDA inputs.
     """
 
@@ -50,7 +50,7 @@ class ContextNgramDrafts(DraftArrays):
 
     @property
     def chain_tokens(self) -> Any:
-        """Draft 0 of every row, ``[rows, w]``."""
+        """Draft 0 of every row, ``[rows, draft_len]``."""
         return self.tokens[:, 0]
 
     @property
@@ -68,8 +68,8 @@ def context_ngram(
     lengths: Any,
     rows: Any,
     *,
-    k: int,
-    w: int,
+    num_drafts: int,
+    draft_len: int,
     q_min: int,
     q_max: int,
     max_matches: int = 64,
@@ -82,12 +82,12 @@ def context_ngram(
     ``num_threads`` caps the CPU threads (0: one per core); small batches run on one.
     """
     if is_cuda_tensor(tokens):
-        return _context_ngram_cuda(tokens, lengths, rows, k, w, q_min, q_max, max_matches)
+        return _context_ngram_cuda(tokens, lengths, rows, num_drafts, draft_len, q_min, q_max, max_matches)
     rows = np.ascontiguousarray(rows, dtype=np.int32)
     out = ContextNgramDrafts(
-        tokens=np.empty((len(rows), k, w), dtype=np.int32),
-        lengths=np.empty((len(rows), k), dtype=np.int32),
-        counts=np.empty((len(rows), k), dtype=np.int32),
+        tokens=np.empty((len(rows), num_drafts, draft_len), dtype=np.int32),
+        lengths=np.empty((len(rows), num_drafts), dtype=np.int32),
+        counts=np.empty((len(rows), num_drafts), dtype=np.int32),
         match_len=np.empty(len(rows), dtype=np.int32),
     )
     load_extension().context_ngram(
@@ -98,14 +98,14 @@ def context_ngram(
     return out
 
 
-def _context_ngram_cuda(tokens, lengths, rows, k, w, q_min, q_max, max_matches):
+def _context_ngram_cuda(tokens, lengths, rows, num_drafts, draft_len, q_min, q_max, max_matches):
     torch = cuda_torch()
     device = tokens.device
     rows = torch.as_tensor(rows, dtype=torch.int32, device=device).contiguous()
     out = ContextNgramDrafts(
-        tokens=torch.empty((len(rows), k, w), dtype=torch.int32, device=device),
-        lengths=torch.empty((len(rows), k), dtype=torch.int32, device=device),
-        counts=torch.empty((len(rows), k), dtype=torch.int32, device=device),
+        tokens=torch.empty((len(rows), num_drafts, draft_len), dtype=torch.int32, device=device),
+        lengths=torch.empty((len(rows), num_drafts), dtype=torch.int32, device=device),
+        counts=torch.empty((len(rows), num_drafts), dtype=torch.int32, device=device),
         match_len=torch.empty(len(rows), dtype=torch.int32, device=device),
     )
     load_extension().context_ngram(

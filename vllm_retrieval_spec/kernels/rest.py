@@ -4,12 +4,19 @@ Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`
 in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens, stopping at
 document separators, evenly strided over the suffix-array range), the same from the
 cross-request output index (up to ``output_max_matches``, each weighing ``output_weight``), the
-dense continuations given by the caller (DReSD's neighbours, each weighing ``dense_weight``),
-plus the continuations of the longest suffix found earlier in the row's own context (each
-weighing ``context_weight``), merged into one trie. Output: the ``top_k`` heaviest nodes as a
-subtree, breadth-first (parents before children), and the heaviest chain, which stops when a
-child keeps less than ``min_ratio`` of its parent's weight. Ties: heavier, shallower, smaller
-token, earlier-created node. The brute-force reference is
+continuations given by the caller (DReSD's dense neighbours, each weighing ``dense_weight``; the
+live index of requests in flight, each weighing ``live_weight``), plus the continuations of the
+longest suffix found earlier in the row's own context (each weighing ``context_weight``), merged
+into one trie. Output: the ``top_k`` best nodes as a subtree, breadth-first (parents before
+children), and the best chain (the best child at each step), which stops when a child keeps less
+than ``min_ratio`` of its parent's weight (with a :class:`ChanceTable`: when its calibrated
+chance given its parent is below ``min_ratio``).
+
+Nodes rank by weight, or, given a :class:`ChanceTable` (the goodput calibration's), by calibrated
+path chance: the product along the node's path of each node's chance given its parent, looked up
+by (its source flags, the longest match length of its sources, its depth, its weight over its
+parent's in ``probs`` buckets). Ties: higher path chance (with a table), heavier, shallower,
+smaller token, earlier-created node. The brute-force reference is
 :mod:`vllm_retrieval_spec.kernels.rest_reference`.
 """
 
@@ -22,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_OUTPUT, DraftArrays
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_LIVE, SOURCE_OUTPUT, DraftArrays
 from vllm_retrieval_spec.kernels.extension import load_extension
 
 TIMING_PHASES = ("search", "gather", "trie", "select")
@@ -37,7 +44,7 @@ class RestParams:
     n_min: int = 1
     n_max: int = 16
     max_matches: int = 128
-    cont_len: int = 10
+    cont_len: int = 0  # 0: chain_len (a row drafts no deeper than its chain)
     top_k: int = 64
     chain_len: int = 8
     min_ratio: float = 0.1
@@ -48,6 +55,12 @@ class RestParams:
     output_weight: float = 4.0
     output_max_matches: int = 64
     dense_weight: float = 1.0
+    live_weight: float = 4.0
+
+    @property
+    def continuation_len(self) -> int:
+        """Tokens per continuation: ``cont_len``, or ``chain_len`` (at least 1) when it is 0."""
+        return self.cont_len or max(self.chain_len, 1)
 
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
@@ -63,8 +76,8 @@ class RestDrafts(DraftArrays):
     """Trees ``[rows, top_k]`` (-1 padded; parent -1 = the root; all None when ``top_k`` is
     0), chains ``[rows, chain_len]``, each node's ``*_prob`` (its trie weight over its
     parent's) and ``*_source`` (``SOURCE_*`` flags of the sources that continued it), ``match_info``
-    ``[rows, 5]`` (datastore match length, context match length, datastore matches found,
-    output-index match length, output-index matches found) and,
+    ``[rows, 6]`` (datastore match length, context match length, datastore matches found,
+    output-index match length, output-index matches found, live match length as given) and,
     when profiled, ``timings_ns`` ``[rows, 4]`` (TIMING_PHASES)."""
 
     tree_tokens: np.ndarray | None
@@ -81,7 +94,21 @@ class RestDrafts(DraftArrays):
 
     def row_match_len(self) -> dict[int, np.ndarray]:
         info = self.match_info
-        return {SOURCE_DATASTORE: info[:, 0], SOURCE_CONTEXT: info[:, 1], SOURCE_OUTPUT: info[:, 3]}
+        return {SOURCE_DATASTORE: info[:, 0], SOURCE_CONTEXT: info[:, 1], SOURCE_OUTPUT: info[:, 3],
+                SOURCE_LIVE: info[:, 5]}
+
+
+@dataclass(frozen=True)
+class ChanceTable:
+    """Calibrated chances that a node is accepted given its parent is, ``chance`` ``[sources,
+    match-length buckets, depth buckets, probs]`` float32 (C order, values in [0, 1]), with the
+    bucket of each match length (``length_bucket[m]``, int32) and depth (``depth_bucket[d]``, 0 = a
+    child of the root); longer or deeper ones take the last entry's. The raw-probability bucket of
+    a node is ``int(float32(ratio) * probs)`` clipped to ``[0, probs)``."""
+
+    chance: np.ndarray
+    length_bucket: np.ndarray
+    depth_bucket: np.ndarray
 
 
 def rest_retrieve(
@@ -93,6 +120,8 @@ def rest_retrieve(
     *,
     output_index: Any = None,
     dense: tuple[np.ndarray, np.ndarray] | None = None,
+    live: tuple[np.ndarray, ...] | None = None,
+    chances: ChanceTable | None = None,
     num_threads: int = 0,
     profile: bool = False,
 ) -> RestDrafts:
@@ -102,7 +131,9 @@ def rest_retrieve(
     ``output_index`` (the ``native`` build of an
     :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None) and ``dense``
     continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
-    row per requested row, each weighing ``dense_weight``.
+    row per requested row, each weighing ``dense_weight``; ``live`` the same from the requests in
+    flight, ``(tokens, lengths)`` or ``(tokens, lengths, match_len [rows])``, each weighing
+    ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
     arrays = ext.rest_retrieve(
@@ -112,12 +143,31 @@ def rest_retrieve(
         np.ascontiguousarray(lengths, dtype=np.int32),
         np.ascontiguousarray(rows, dtype=np.int32),
         _native_params(params),
-        dense_tokens=None if dense is None else np.ascontiguousarray(dense[0], dtype=np.int32),
-        dense_lengths=None if dense is None else np.ascontiguousarray(dense[1], dtype=np.int32),
+        **_given_arrays("dense", dense),
+        **_given_arrays("live", live),
+        **_table_arrays(chances),
         profile=profile,
         num_threads=num_threads,
     )
     return RestDrafts(**arrays)
+
+
+def _given_arrays(name: str, given: tuple[np.ndarray, ...] | None) -> dict[str, np.ndarray]:
+    """The extension's ``<name>_tokens``, ``<name>_lengths`` (and ``<name>_match_len``) arguments."""
+    if given is None:
+        return {}
+    keys = ("tokens", "lengths", "match_len")[: len(given)]
+    return {f"{name}_{key}": np.ascontiguousarray(array, dtype=np.int32) for key, array in zip(keys, given)}
+
+
+def _table_arrays(chances: ChanceTable | None) -> dict[str, np.ndarray]:
+    """The extension's chance-table arguments (no copy when the arrays are already float32 and
+    int32, contiguous)."""
+    if chances is None:
+        return {}
+    return {"chance_table": np.ascontiguousarray(chances.chance, dtype=np.float32),
+            "length_bucket": np.ascontiguousarray(chances.length_bucket, dtype=np.int32),
+            "depth_bucket": np.ascontiguousarray(chances.depth_bucket, dtype=np.int32)}
 
 
 def native_suffix_store(store: Any) -> Any:
@@ -136,8 +186,9 @@ def _drafting_store(store: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _native_params(params: RestParams) -> Any:
-    """``params`` as the extension's ``RestParams`` (every field copied)."""
+    """``params`` as the extension's ``RestParams`` (every field copied, ``cont_len`` resolved)."""
     native = load_extension().RestParams()
     for field in dataclasses.fields(params):
         setattr(native, field.name, getattr(params, field.name))
+    native.cont_len = params.continuation_len
     return native

@@ -1,5 +1,6 @@
 """Brute-force plain-Python reference of REST retrieval (:mod:`vllm_retrieval_spec.kernels.rest`),
-which the tests compare against exactly: matches found by scanning, no suffix array."""
+which the tests compare against exactly: matches found by scanning, no suffix array, nodes ranked
+by sorting the whole trie."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_OUTPUT
-from vllm_retrieval_spec.kernels.rest import RestParams
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_LIVE, SOURCE_OUTPUT
+from vllm_retrieval_spec.kernels.rest import ChanceTable, RestParams
+
+SOURCE_FLAGS = {"datastore": SOURCE_DATASTORE, "context": SOURCE_CONTEXT, "output": SOURCE_OUTPUT,
+                "dense": SOURCE_DENSE, "live": SOURCE_LIVE}
 
 
 @dataclass
@@ -22,18 +26,21 @@ class _Node:
     context: int = 0
     output: int = 0
     dense: int = 0
+    live: int = 0
 
 
 class _ReferenceTrie:
-    def __init__(self, context_weight: float, output_weight: float, dense_weight: float) -> None:
-        self.context_weight = context_weight
-        self.output_weight = output_weight
-        self.dense_weight = dense_weight
+    def __init__(self, params: RestParams, chances: ChanceTable | None) -> None:
+        self.weights = {"datastore": 1.0, "context": params.context_weight, "output": params.output_weight,
+                        "dense": params.dense_weight, "live": params.live_weight}
+        self.chances = chances
+        self.path: dict[int, float] = {}
+        self.conditional: dict[int, float] = {}
         self.nodes = [_Node(-1, -1, 0)]
         self.children: dict[tuple[int, int], int] = {}
 
     def insert(self, sequence: Sequence[int], source: str) -> None:
-        """Count ``sequence`` for ``source`` ("datastore", "context", "output" or "dense")."""
+        """Count ``sequence`` for ``source`` (a key of ``SOURCE_FLAGS``)."""
         if not sequence:
             return
         path = [0]
@@ -48,22 +55,45 @@ class _ReferenceTrie:
 
     def weight(self, node: int) -> float:
         n = self.nodes[node]
-        return (n.datastore + self.context_weight * n.context + self.output_weight * n.output
-                + self.dense_weight * n.dense)
+        total = 0.0
+        for source, weight in self.weights.items():  # the kernel's order of additions
+            total += getattr(n, source) if source == "datastore" else weight * getattr(n, source)
+        return total
+
+    def ratio(self, node: int) -> np.float32:
+        return np.float32(self.weight(node) / self.weight(self.nodes[node].parent))
+
+    def flags(self, node: int) -> int:
+        return sum(flag for source, flag in SOURCE_FLAGS.items() if getattr(self.nodes[node], source) > 0)
 
     def describe(self, nodes: Sequence[int]) -> tuple[list[float], list[int]]:
         """Each node's weight over its parent's (as float32) and its source flags."""
-        probs = [float(np.float32(self.weight(n) / self.weight(self.nodes[n].parent))) for n in nodes]
-        sources = [SOURCE_DATASTORE * (self.nodes[n].datastore > 0) + SOURCE_CONTEXT * (self.nodes[n].context > 0)
-                   + SOURCE_OUTPUT * (self.nodes[n].output > 0) + SOURCE_DENSE * (self.nodes[n].dense > 0)
-                   for n in nodes]
-        return probs, sources
+        return [float(self.ratio(n)) for n in nodes], [self.flags(n) for n in nodes]
+
+    def score(self, match_lengths: dict[int, int]) -> None:
+        """With a chance table: every node's calibrated path chance, given each source flag's
+        match length (a node takes the longest of its sources')."""
+        if self.chances is None:
+            return
+        table = self.chances
+        self.path, self.conditional = {0: 1.0}, {0: 1.0}
+        for node in range(1, len(self.nodes)):  # parents first
+            flags = self.flags(node)
+            length = max((m for flag, m in match_lengths.items() if flags & flag), default=0)
+            probs = table.chance.shape[3]
+            key = (flags % table.chance.shape[0],
+                   table.length_bucket[min(length, len(table.length_bucket) - 1)],
+                   table.depth_bucket[min(self.nodes[node].depth - 1, len(table.depth_bucket) - 1)],
+                   min(max(int(self.ratio(node) * np.float32(probs)), 0), probs - 1))
+            self.conditional[node] = float(table.chance[key])
+            self.path[node] = self.path[self.nodes[node].parent] * self.conditional[node]
 
     def rank(self, node: int) -> tuple:
-        return (-self.weight(node), self.nodes[node].depth, self.nodes[node].token, node)
+        by_weight = (-self.weight(node), self.nodes[node].depth, self.nodes[node].token, node)
+        return by_weight if self.chances is None else (-self.path[node], *by_weight)
 
     def tree(self, top_k: int) -> list[int]:
-        """The top_k heaviest nodes, by depth then rank."""
+        """The top_k best-ranked nodes, by depth then rank."""
         chosen = sorted(range(1, len(self.nodes)), key=self.rank)[:top_k]
         return sorted(chosen, key=lambda n: (self.nodes[n].depth, self.rank(n)))
 
@@ -72,18 +102,25 @@ class _ReferenceTrie:
         return [-1 if self.nodes[n].parent == 0 else position[self.nodes[n].parent] for n in chosen]
 
     def chain(self, chain_len: int, min_ratio: float) -> list[int]:
-        """The nodes of the heaviest chain."""
+        """The nodes of the best chain (the best-ranked child at each step)."""
         chain, node = [], 0
         while len(chain) < chain_len:
             kids = [c for (p, _), c in self.children.items() if p == node]
             if not kids:
                 break
             best = min(kids, key=self.rank)
-            if self.weight(best) < min_ratio * self.weight(node):
+            if self.too_unlikely(best, node, min_ratio):
                 break
             chain.append(best)
             node = best
         return chain
+
+    def too_unlikely(self, child: int, parent: int, min_ratio: float) -> bool:
+        """Whether the chain stops before ``child``: its calibrated chance (with a table), else
+        its weight over its parent's, is below ``min_ratio``."""
+        if self.chances is not None:
+            return self.conditional[child] < min_ratio
+        return self.weight(child) < min_ratio * self.weight(parent)
 
     def tokens(self, nodes: list[int]) -> list[int]:
         return [self.nodes[n].token for n in nodes]
@@ -93,13 +130,16 @@ def rest_retrieve_reference(
     store_tokens: np.ndarray | None, separator: int, contexts: Sequence[Sequence[int]], params: RestParams,
     output_tokens: np.ndarray | None = None, output_separator: int = 0,
     dense: Sequence[Sequence[Sequence[int]]] | None = None,
+    live: Sequence[Sequence[Sequence[int]]] | None = None, live_match_len: Sequence[int] | None = None,
+    chances: ChanceTable | None = None,
 ) -> list[dict[str, Any]]:
     """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort;
-    ``dense[i]``: row i's given dense continuations."""
+    ``dense[i]`` / ``live[i]``: row i's given dense / live continuations (``live_match_len[i]``
+    their match length); ``chances``: rank by calibrated path chance."""
     results = []
     for row, context in enumerate(contexts):
         ctx = [int(t) for t in context]
-        trie = _ReferenceTrie(params.context_weight, params.output_weight, params.dense_weight)
+        trie = _ReferenceTrie(params, chances)
         ds_len, found = 0, 0
         if params.use_datastore and store_tokens is not None and len(store_tokens):
             ds_len, continuations, found = _store_continuations(store_tokens, separator, ctx, params,
@@ -112,19 +152,23 @@ def rest_retrieve_reference(
                                                                      params.output_max_matches)
             for continuation in continuations:
                 trie.insert(continuation, "output")
-        if dense is not None and params.dense_weight > 0:
-            for continuation in dense[row]:
-                trie.insert(list(continuation)[: params.cont_len], "dense")
+        for name, given in (("dense", dense), ("live", live)):
+            if given is not None and trie.weights[name] > 0:
+                for continuation in given[row]:
+                    trie.insert(list(continuation)[: params.continuation_len], name)
         ctx_len = 0
         if params.use_context and params.context_weight > 0:
             ctx_len, continuations = _context_continuations(ctx, params)
             for continuation in continuations:
                 trie.insert(continuation, "context")
+        live_known = live is not None and live_match_len is not None and params.live_weight > 0
+        live_len = int(live_match_len[row]) if live_known else 0
+        trie.score({SOURCE_DATASTORE: ds_len, SOURCE_CONTEXT: ctx_len, SOURCE_OUTPUT: out_len, SOURCE_LIVE: live_len})
         tree, chain = trie.tree(params.top_k), trie.chain(params.chain_len, params.min_ratio)
         results.append({
             "tree": (trie.tokens(tree), trie.parents(tree)),
             "chain": trie.tokens(chain),
-            "match_info": [ds_len, ctx_len, found, out_len, out_found],
+            "match_info": [ds_len, ctx_len, found, out_len, out_found, live_len],
             "tree_nodes": trie.describe(tree),
             "chain_nodes": trie.describe(chain),
         })
@@ -145,7 +189,7 @@ def _store_continuations(store_tokens, separator, ctx, params, max_matches):
         for j in range(take):
             start = positions[j * found // take] + n
             continuation = []
-            for token in store[start:start + params.cont_len]:
+            for token in store[start:start + params.continuation_len]:
                 if token == separator:
                     break
                 continuation.append(token)
@@ -161,5 +205,5 @@ def _context_continuations(ctx, params):
         positions = [p for p in range(n - q - 1, -1, -1) if ctx[p:p + q] == query]
         positions = positions[: params.context_max_matches]
         if positions:
-            return q, [ctx[p + q:p + q + params.cont_len] for p in positions]
+            return q, [ctx[p + q:p + q + params.continuation_len] for p in positions]
     return 0, []

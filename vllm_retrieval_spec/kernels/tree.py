@@ -12,6 +12,10 @@ NumPy reference in :mod:`vllm_retrieval_spec.kernels.tree_reference` that it mat
 acceptance rules, the draw order, the counter-based uniforms and the canonical sums are specified
 in ``csrc/tree_accept.h`` and ``csrc/rng.h`` and mirrored there.
 
+Seeded requests use :attr:`AcceptRule.KEYED`: the token at absolute position ``t`` is the
+inverse-CDF sample of the target row with the uniform ``keyed_uniform(seed, t)``, and a draft is
+accepted iff it is that token, so the emitted tokens do not depend on what was drafted.
+
 Sampled requests can hand the kernel raw logits with their :class:`RowSampling` parameters: it
 then computes the target distribution (temperature, top-k, top-p) only for the rows its walk
 visits, without sorting the vocabulary (:func:`target_distributions` gives the same rows for
@@ -36,6 +40,7 @@ class AcceptRule(enum.IntEnum):
     CANDIDATES = 1  # deterministic candidates (retrieval drafts), scores are probabilities
     MCSS = 2  # multi-candidate speculative sampling, candidates drawn with replacement from q
     MCSS_NO_REPLACEMENT = 3  # ... drawn without replacement
+    KEYED = 4  # seeded sampling: the token at each position from a uniform keyed by (seed, position)
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ def accept_trees(
     num_threads: int = 0,
     sampling: RowSampling | None = None,
     draft: SparseDraft | None = None,
+    positions: Any = None,
 ) -> TreeAcceptance:
     """Verify a batch of draft trees (CUDA kernel when ``scores`` is a CUDA tensor).
 
@@ -167,10 +173,15 @@ def accept_trees(
 
     ``draft`` (:class:`SparseDraft`): the MCSS rules' draft rows as sparse lists instead of
     ``draft_probs`` (not both); the result is exactly that of the equivalent dense rows.
+
+    ``positions`` ``[B]`` int64, needed by :attr:`AcceptRule.KEYED`: the absolute position of
+    the token each request's row 0 samples (prompt plus output length). A keyed request's
+    ``seeds[b]`` is its own seed; the node at depth ``d`` samples with
+    ``keyed_uniform(seeds[b], positions[b] + d)`` (``csrc/rng.h``).
     """
     if is_cuda_tensor(scores):
         return _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs,
-                            out_width, validate, sampling, draft)
+                            out_width, validate, sampling, draft, positions)
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     dense = None if draft_probs is None else np.ascontiguousarray(draft_probs, dtype=np.float32)
     tokens, parents, offsets, rules = (np.ascontiguousarray(a, dtype=np.int32)
@@ -179,9 +190,10 @@ def accept_trees(
     sampling = None if sampling is None else _host_sampling(sampling)
     draft = None if draft is None else SparseDraft(np.ascontiguousarray(draft.tokens, dtype=np.int32),
                                                    np.ascontiguousarray(draft.probs, dtype=np.float32))
+    positions = None if positions is None else np.ascontiguousarray(positions, dtype=np.int64)
     if validate:
         _check_accept(scores.shape, tokens, parents, offsets, rules, seeds,
-                      None if dense is None else dense.shape, out_width, sampling, draft)
+                      None if dense is None else dense.shape, out_width, sampling, draft, positions)
     width = out_width if out_width is not None else _max_depth(parents, offsets, num_threads) + 1
     batch = len(offsets) - 1
     out = TreeAcceptance(
@@ -191,7 +203,7 @@ def accept_trees(
     )
     load_extension().accept_trees(scores, dense, tokens, parents, offsets, rules, seeds,
                                   out.out_tokens, out.path_nodes, out.num_accepted, num_threads,
-                                  **_sampling_kwargs(sampling), **_draft_kwargs(draft))
+                                  **_sampling_kwargs(sampling), **_draft_kwargs(draft), positions=positions)
     return out
 
 
@@ -272,7 +284,7 @@ def _max_depth(parents: Any, offsets: Any, num_threads: int = 0) -> int:
 
 
 def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, out_width, validate,
-                 sampling=None, sparse=None):
+                 sampling=None, sparse=None, positions=None):
     ext = load_extension()
     torch = cuda_torch()
     device = scores.device
@@ -283,6 +295,8 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
     tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
                                        for a in (tokens, parents, offsets, rules))
     seeds = _cuda_seeds(seeds, device)
+    if positions is not None:
+        positions = torch.as_tensor(positions, dtype=torch.int64, device=device).contiguous()
     if sampling is not None:
         sampling = RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
                                  for a, dtype in zip(_fields(sampling),
@@ -295,14 +309,16 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
                       host_rules, to_host(seeds),
                       None if draft is None else tuple(draft.shape), out_width,
                       None if sampling is None else _host_sampling(RowSampling(*map(to_host, _fields(sampling)))),
-                      None if sparse is None else SparseDraft(to_host(sparse.tokens), to_host(sparse.probs)))
+                      None if sparse is None else SparseDraft(to_host(sparse.tokens), to_host(sparse.probs)),
+                      None if positions is None else to_host(positions))
     width = out_width if out_width is not None else _max_depth(parents, offsets) + 1
     batch, vocab = len(offsets) - 1, scores.shape[1]
-    needs_p = host_rules is None or bool((host_rules != AcceptRule.GREEDY).any())
-    mcss = host_rules is None or bool((host_rules >= AcceptRule.MCSS).any())
+    needs_p = host_rules is None or bool(np.isin(host_rules, _RESIDUAL_RULES).any())
+    mcss = host_rules is None or bool(np.isin(host_rules, _MCSS_RULES).any())
     needs_q = draft is not None and (host_rules is None or
                                      bool((host_rules == AcceptRule.MCSS_NO_REPLACEMENT).any()))
-    needs_row = needs_p and (sampling is not None or (sparse is not None and mcss))
+    sampled = host_rules is None or bool((host_rules != AcceptRule.GREEDY).any())
+    needs_row = (sampled and sampling is not None) or (needs_p and sparse is not None and mcss)
     sparse_width = 0 if sparse is None else max(1, sparse.tokens.shape[1])
     out = TreeAcceptance(
         out_tokens=torch.empty((batch, width), dtype=torch.int32, device=device),
@@ -323,8 +339,13 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
                      **_sampling_kwargs(sampling), **_draft_kwargs(sparse),
                      row_workspace=row_work,
                      sparse_token_workspace=workspace(needs_sparse, sparse_width, torch.int32),
-                     sparse_value_workspace=workspace(needs_sparse, sparse_width, torch.float32))
+                     sparse_value_workspace=workspace(needs_sparse, sparse_width, torch.float32),
+                     positions=positions)
     return out
+
+
+_MCSS_RULES = (AcceptRule.MCSS, AcceptRule.MCSS_NO_REPLACEMENT)
+_RESIDUAL_RULES = (AcceptRule.CANDIDATES, *_MCSS_RULES)  # they keep a [V] float64 residual row each
 
 
 def _cuda_seeds(seeds: Any, device: Any) -> Any:
@@ -371,7 +392,8 @@ def _check_trees(parents: np.ndarray, offsets: np.ndarray, max_nodes: int | None
 def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
                   offsets: np.ndarray, rules: np.ndarray, seeds: np.ndarray,
                   draft_shape: tuple | None, out_width: int | None,
-                  sampling: RowSampling | None = None, sparse: SparseDraft | None = None) -> None:
+                  sampling: RowSampling | None = None, sparse: SparseDraft | None = None,
+                  positions: np.ndarray | None = None) -> None:
     _check_trees(parents, offsets)
     batch = len(offsets) - 1
     if len(scores_shape) != 2 or scores_shape[0] != len(parents) + batch or scores_shape[1] < 1:
@@ -387,8 +409,9 @@ def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
         raise ValueError(f"rules and seeds must have one entry per request ({batch})")
     bad = np.flatnonzero((rules < 0) | (rules > max(AcceptRule)))
     if bad.size:
-        raise ValueError(f"rules[{bad[0]}] = {rules[bad[0]]} is not an AcceptRule (0-3)")
-    if draft_shape is None and sparse is None and (rules >= AcceptRule.MCSS).any():
+        raise ValueError(f"rules[{bad[0]}] = {rules[bad[0]]} is not an AcceptRule (0-{max(AcceptRule)})")
+    _check_positions(positions, rules)
+    if draft_shape is None and sparse is None and np.isin(rules, _MCSS_RULES).any():
         raise ValueError("draft_probs is required by the MCSS rules (2 and 3): pass draft_probs "
                          "[N + B, V] or draft=SparseDraft(tokens, probs)")
     if draft_shape is not None and sparse is not None:
@@ -403,6 +426,20 @@ def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
         _check_sampling(sampling, batch, rules)
     if sparse is not None:
         _check_sparse_draft(sparse, scores_shape)
+
+
+def _check_positions(positions: np.ndarray | None, rules: np.ndarray) -> None:
+    if positions is None:
+        if (rules == AcceptRule.KEYED).any():
+            raise ValueError("positions [B] (each request's root position) is required by "
+                             "AcceptRule.KEYED: pass positions=")
+        return
+    if positions.shape != rules.shape:
+        raise ValueError(f"positions must have one entry per request ({len(rules)}), got shape "
+                         f"{list(positions.shape)}")
+    bad = np.flatnonzero(positions < 0)
+    if bad.size:
+        raise ValueError(f"positions[{bad[0]}] = {positions[bad[0]]} must be >= 0")
 
 
 def _check_sampling(sampling: RowSampling, rows: int, rules: np.ndarray | None) -> None:

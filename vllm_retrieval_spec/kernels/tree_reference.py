@@ -35,13 +35,27 @@ _EXP_COEFFICIENTS = [float.fromhex(h) for h in (
     "0x1.ae64567f544e4p-26", "0x1.1eed8eff8d898p-29")]
 
 
-def uniform(seed: int, counter: int) -> float:
-    """The counter-based uniform of ``csrc/rng.h``: a multiple of 2^-53 in [0, 1)."""
-    x = (seed ^ ((counter * _GOLDEN + 1) & _MASK64)) & _MASK64
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function of ``csrc/rng.h`` (a bijection of 64-bit words)."""
     x = (x + _GOLDEN) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((x ^ (x >> 31)) >> 11) * 2.0**-53
+    return x ^ (x >> 31)
+
+
+def counter_bits(seed: int, counter: int) -> int:
+    """The 64-bit word behind ``uniform(seed, counter)``."""
+    return splitmix64((seed ^ ((counter * _GOLDEN + 1) & _MASK64)) & _MASK64)
+
+
+def uniform(seed: int, counter: int) -> float:
+    """The counter-based uniform of ``csrc/rng.h``: a multiple of 2^-53 in [0, 1)."""
+    return (counter_bits(seed, counter) >> 11) * 2.0**-53
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform a seeded request samples its token at ``position`` with (``csrc/rng.h``)."""
+    return uniform(splitmix64(seed & _MASK64), position)
 
 
 def _tiles(values: np.ndarray) -> np.ndarray:
@@ -206,6 +220,7 @@ def accept_trees_reference(
     out_width: int | None = None,
     sampling: RowSampling | None = None,
     draft: SparseDraft | None = None,
+    positions: Any = None,
 ) -> TreeAcceptance:
     """Plain NumPy (float64) :func:`accept_trees`: same rules, draws and sums.
 
@@ -238,7 +253,8 @@ def accept_trees_reference(
             parameters = (float(np.float32(sampling.temperature[b])), int(sampling.top_k[b]),
                           float(np.float32(sampling.top_p[b])))
             rows = _LazyRows(scores, parameters)
-        path, emitted = _walk_reference(tree, rows, draft_probs, int(rules[b]), int(seeds[b]))
+        position = 0 if positions is None else int(positions[b])
+        path, emitted = _walk_reference(tree, rows, draft_probs, int(rules[b]), int(seeds[b]), position)
         out.path_nodes[b, : len(path)] = path
         out.out_tokens[b, : len(path)] = [tree.tokens[j] for j in path]
         out.out_tokens[b, len(path)] = emitted
@@ -270,7 +286,7 @@ class _RefTree:
 
 
 def _walk_reference(tree: _RefTree, scores: Any, draft_probs: Any, rule: int,
-                    seed: int) -> tuple[list[int], int]:
+                    seed: int, position: int) -> tuple[list[int], int]:
     counter = iter(range(1 << 62))
 
     def draw() -> float:
@@ -283,8 +299,9 @@ def _walk_reference(tree: _RefTree, scores: Any, draft_probs: Any, rule: int,
         p = scores[row].astype(np.float64)
         children = tree.children(node, len(path))
         candidates = [tree.tokens[c] for c in children]
-        if rule == AcceptRule.GREEDY:
-            emitted = int(np.argmax(scores[row]))
+        if rule in (AcceptRule.GREEDY, AcceptRule.KEYED):
+            emitted = (int(np.argmax(scores[row])) if rule == AcceptRule.GREEDY
+                       else canonical_sample(p, keyed_uniform(seed, position + len(path))))
             chosen = candidates.index(emitted) if emitted in candidates else None
         elif not children:
             chosen, emitted = None, canonical_sample(p, draw())

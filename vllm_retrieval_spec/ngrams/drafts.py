@@ -1,5 +1,6 @@
-"""N-Grammys' mixed strategy (paper §4.3): fill k drafts of length w with the request's
-context n-grams first, then with the model's extended bigram; merge them into a tree."""
+"""N-Grammys' mixed strategy (paper §4.3): fill ``num_drafts`` drafts of ``draft_len`` tokens
+(the paper's k and w) with the request's context n-grams first, then with the model's extended
+bigram; merge them into a tree."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from vllm_retrieval_spec.ngrams.table import NgramTable
 
 @dataclass
 class NgramDrafts(DraftArrays):
-    """``tokens`` ``[rows, k, w]`` (-1 padded), ``lengths`` ``[rows, k]``, ``from_context``
-    ``[rows]`` (how many leading drafts came from the context) and ``weights`` ``[rows, k]``
+    """``tokens`` ``[rows, num_drafts, draft_len]`` (-1 padded), ``lengths`` ``[rows, num_drafts]``,
+    ``from_context`` ``[rows]`` (how many leading drafts came from the context) and ``weights``
+    ``[rows, num_drafts]``
     (each draft's probability of its first token: a context n-gram's share of the counts, a
     bigram draft's bigram probability; None: equal). Draft 0 is the chain: the most frequent
-    context n-gram, else the bigram's top-1 greedy continuation. The trees (the k drafts
+    context n-gram, else the bigram's top-1 greedy continuation. The trees (the drafts
     merged, shared prefixes once, nodes in draft order so that a node budget that cuts the list
     keeps the best drafts whole; ``tree_prob``: a node's weight over its parent's, the
     drafter's q) are None until :meth:`build_trees`."""
@@ -35,7 +37,7 @@ class NgramDrafts(DraftArrays):
 
     @property
     def chain_tokens(self) -> np.ndarray:
-        """Draft 0 of every row, ``[rows, w]``."""
+        """Draft 0 of every row, ``[rows, draft_len]``."""
         return self.tokens[:, 0]
 
     @property
@@ -61,18 +63,19 @@ class NgramDrafts(DraftArrays):
 
 
 def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,
-                 *, k: int, w: int, q: int, mixing: str, num_threads: int = 0,
+                 *, num_drafts: int, draft_len: int, context_len: int, mixing: str, num_threads: int = 0,
                  with_trees: bool = False) -> NgramDrafts:
-    """k drafts of up to w tokens per requested row; ``mixing`` is one of
-    ``options.MIXING_POLICIES``; ``with_trees`` also merges them into trees."""
-    k, w = min(k, table.k), min(w, table.w)
-    tokens = np.full((len(rows), k, w), -1, dtype=np.int32)
-    lengths = np.zeros((len(rows), k), dtype=np.int32)
-    weights = np.zeros((len(rows), k), dtype=np.float32)
+    """``num_drafts`` drafts of up to ``draft_len`` tokens per requested row, the context ones
+    matching the last ``context_len`` tokens; ``mixing`` is one of ``options.MIXING_POLICIES``;
+    ``with_trees`` also merges them into trees."""
+    num_drafts, draft_len = min(num_drafts, table.max_drafts), min(draft_len, table.max_draft_len)
+    tokens = np.full((len(rows), num_drafts, draft_len), -1, dtype=np.int32)
+    lengths = np.zeros((len(rows), num_drafts), dtype=np.int32)
+    weights = np.zeros((len(rows), num_drafts), dtype=np.float32)
     from_context = np.zeros(len(rows), dtype=np.int32)
     if mixing != "bigram-only":
-        found = context_ngram(token_ids, num_tokens, rows, k=k, w=w, q_min=q, q_max=q,
-                              num_threads=num_threads)
+        found = context_ngram(token_ids, num_tokens, rows, num_drafts=num_drafts, draft_len=draft_len,
+                              q_min=context_len, q_max=context_len, num_threads=num_threads)
         tokens[:], lengths[:] = found.tokens, found.lengths
         from_context = (found.lengths > 0).sum(axis=1).astype(np.int32)
         counts = found.counts.astype(np.float32)
@@ -80,14 +83,14 @@ def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarra
         weights = np.divide(counts, total, out=weights, where=total > 0)
     if mixing != "context-only":
         last = token_ids[rows, num_tokens[rows] - 1]
-        bigram = table.extended[last][:, :k, :w]  # [rows, k, w]
-        slot = np.arange(k)[None, :]
+        bigram = table.extended[last][:, :num_drafts, :draft_len]  # [rows, num_drafts, draft_len]
+        slot = np.arange(num_drafts)[None, :]
         fill = slot >= from_context[:, None]  # the slots the context left empty
-        source = np.clip(slot - from_context[:, None], 0, k - 1)
+        source = np.clip(slot - from_context[:, None], 0, num_drafts - 1)
         filled = np.take_along_axis(bigram, source[:, :, None], axis=1)
         tokens = np.where(fill[:, :, None], filled, tokens).astype(np.int32, copy=False)
-        lengths = np.where(fill, w, lengths).astype(np.int32)
-        probs = np.take_along_axis(np.asarray(table.bigram_probs[last][:, :k]), source, axis=1)
+        lengths = np.where(fill, draft_len, lengths).astype(np.int32)
+        probs = np.take_along_axis(np.asarray(table.bigram_probs[last][:, :num_drafts]), source, axis=1)
         weights = np.where(fill, probs, weights).astype(np.float32)
     drafts = NgramDrafts(tokens, lengths, from_context, weights)
     return drafts.build_trees(num_threads) if with_trees else drafts

@@ -16,8 +16,6 @@ Stored like a datastore: built in a temporary directory and renamed into place, 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -28,19 +26,19 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_retrieval_spec import __version__
-from vllm_retrieval_spec.datastores.format import TokenizerIdentity
 from vllm_retrieval_spec.paths import cache_root
 from vllm_retrieval_spec.storage import (
     MAX_VOCAB_SIZE,
     ArtifactKind,
+    ModelIdentity,
     StorageError,
     atomic_directory,
     check_build_target,
     check_manifest_ints,
-    local_model_dir,
     manifest_record,
     map_array,
     read_manifest,
+    refuse_another_identity,
     sha256_of_file,
     write_manifest,
 )
@@ -72,31 +70,6 @@ NGRAM_TABLE = ArtifactKind(
 )
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What ties a table to a model: its config and its tokenizer's vocabulary."""
-
-    name: str
-    vocab_size: int
-    config_sha256: str
-    vocab_sha256: str
-
-    @classmethod
-    def of(cls, model_dir: str | Path, flag: str = "--model") -> ModelIdentity:
-        """The identity of the model in ``model_dir`` (a local directory; ``flag`` names it in errors)."""
-        model_dir = local_model_dir(model_dir, flag)
-        from transformers import AutoTokenizer
-
-        config = json.loads((model_dir / "config.json").read_text())
-        canonical = json.dumps(config, sort_keys=True).encode()
-        tokenizer = TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(model_dir)))
-        return cls(model_dir.name, int(config["vocab_size"]), hashlib.sha256(canonical).hexdigest(),
-                   tokenizer.vocab_sha256)
-
-    def matches(self, other: ModelIdentity) -> bool:
-        return (self.config_sha256, self.vocab_sha256) == (other.config_sha256, other.vocab_sha256)
-
-
 def default_table_dir(identity: ModelIdentity) -> Path:
     """Where ``ngram-table build --model MODEL_DIR`` puts a model's table by default."""
     return cache_root() / "ngram-tables" / f"{identity.name}-{identity.config_sha256[:12]}"
@@ -105,7 +78,9 @@ def default_table_dir(identity: ModelIdentity) -> Path:
 @dataclass
 class NgramTable:
     """Memory-mapped tables: ``bigram_tokens``/``bigram_probs`` ``[V, k]``, ``extended``
-    ``[V, k, w]`` and optionally ``unigram_ranking`` ``[V]`` (most likely first)."""
+    ``[V, k, w]`` and optionally ``unigram_ranking`` ``[V]`` (most likely first). The build's
+    ``k`` and ``w`` (manifest keys, ``--k``/``--w``) cap what the options ``ngrammys_drafts``
+    and ``ngrammys_draft_len`` can use: :attr:`max_drafts`, :attr:`max_draft_len`."""
 
     path: Path
     manifest: dict[str, Any]
@@ -115,11 +90,11 @@ class NgramTable:
     unigram_ranking: np.ndarray | None
 
     @property
-    def k(self) -> int:
+    def max_drafts(self) -> int:
         return int(self.manifest["k"])
 
     @property
-    def w(self) -> int:
+    def max_draft_len(self) -> int:
         return int(self.manifest["w"])
 
     @property
@@ -138,7 +113,7 @@ class NgramTable:
                                                 **table_bounds(manifest["k"], manifest["w"], manifest["prefix"],
                                                                owner.vocab_size)})
         if expected_model is not None:
-            _refuse_another_model(path, owner, expected_model)
+            refuse_another_identity(NGRAM_TABLE, path, owner, expected_model)
         v, k, w = owner.vocab_size, manifest["k"], manifest["w"]
         unigram = map_array(path / UNIGRAM_RANKING, np.int32, (v,), NGRAM_TABLE) if manifest["unigram"] else None
         table = cls(
@@ -155,7 +130,7 @@ class NgramTable:
 
     def check_model(self, expected: ModelIdentity) -> None:
         """Fail naming both models when the table was built from another model than ``expected``."""
-        _refuse_another_model(self.path, self.model, expected)
+        refuse_another_identity(NGRAM_TABLE, self.path, self.model, expected)
 
     def check_token_ids(self) -> None:
         """Fail naming the file when a stored token id is outside the vocabulary (reads the tables once)."""
@@ -175,16 +150,6 @@ class NgramTable:
         if probs.size and not (np.all(probs >= 0) and np.all(probs <= 1)):  # NaN fails both
             raise NGRAM_TABLE.fail(f"{self.path / BIGRAM_PROBS} holds values that are no probabilities (NaN or "
                                    "outside [0, 1])")
-
-
-def _refuse_another_model(path: Path, owner: ModelIdentity, expected: ModelIdentity) -> None:
-    if not owner.matches(expected):
-        raise NgramTableError(
-            f"n-gram table {path} was built from model {owner.name!r} (config {owner.config_sha256[:12]}, "
-            f"vocab {owner.vocab_sha256[:12]}), but the served model is {expected.name!r} "
-            f"(config {expected.config_sha256[:12]}, vocab {expected.vocab_sha256[:12]}); "
-            "build a table for it with `vllm-retrieval-spec ngram-table build --model MODEL_DIR --out DIR`"
-        )
 
 
 def open_table_for_model(option: str, model_dir: str | Path) -> NgramTable:

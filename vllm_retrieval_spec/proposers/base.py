@@ -26,6 +26,7 @@ from vllm.logger import init_logger
 
 from vllm_retrieval_spec.candidates import DraftQ, sample_candidate_trees
 from vllm_retrieval_spec.compat import require_supported_vllm
+from vllm_retrieval_spec.datastores.live_index import LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.drafts import Drafts, DraftTree, count_sources
 from vllm_retrieval_spec.goodput import GoodputBudget
@@ -53,6 +54,10 @@ class DraftSession(Protocol):
     def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
         """This step's trees by input-batch row, and the draft distributions of the rows whose
         candidates were drawn from them."""
+
+    def live_matches(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, max_matches: int,
+                     cont_len: int, num_threads: int = 0) -> LiveMatches | None:
+        """Continuations for ``rows`` from the other requests in flight, when uses_live_index()."""
 
 
 @dataclass
@@ -126,8 +131,25 @@ class DraftProposer(abc.ABC):
         """The runner's session (request ids, per-request state, tree verification)."""
         self.session = session
 
+    def features_needing_session(self) -> list[str]:
+        """The configured features that work only through the runner's session (as options)."""
+        options = self.options
+        features = {
+            "tree: true": options.tree,
+            'budget: "auto"': options.budget == "auto",
+            'candidates: "sampled"': options.candidates == "sampled",
+            "the output index (use_output_index)": self.uses_output_index(),
+            "the live index (use_live_index)": self.uses_live_index(),
+            f"the target's hidden states ({type(self).__name__})": self.needs_hidden_states(),
+        }
+        return [feature for feature, wanted in features.items() if wanted]
+
     def uses_output_index(self) -> bool:
         """Whether the runner's session should keep a cross-request output index for us."""
+        return False
+
+    def uses_live_index(self) -> bool:
+        """Whether the runner's session should keep a live index of the requests in flight for us."""
         return False
 
     def needs_hidden_states(self) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
@@ -28,20 +27,10 @@ class NGrammysProposer(DraftProposer):
         options = self.options
         self.last_drafts = mixed_drafts(
             self.table, batch.token_ids, batch.num_tokens, batch.rows,
-            k=options.ngrammys_drafts, w=min(options.ngrammys_draft_len, self.num_speculative_tokens),
-            q=options.ngrammys_context_len, mixing=options.ngrammys_mixing, num_threads=options.num_threads,
+            num_drafts=options.ngrammys_drafts,
+            draft_len=min(options.ngrammys_draft_len, self.num_speculative_tokens),
+            context_len=options.ngrammys_context_len, mixing=options.ngrammys_mixing, num_threads=options.num_threads,
             with_trees=batch.trees,
         )
         return self.last_drafts
 
-
-class NGramProposer(NGrammysProposer):
-    """Deprecated name of :class:`NGrammysProposer` (removed in the next release)."""
-
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        warnings.warn(
-            "vllm_retrieval_spec.NGramProposer is deprecated; use vllm_retrieval_spec.NGrammysProposer",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(vllm_config)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
-from vllm_retrieval_spec.kernels.rest import RestDrafts, RestParams, rest_retrieve
+from vllm_retrieval_spec.kernels.rest import ChanceTable, RestDrafts, RestParams, rest_retrieve
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
 if TYPE_CHECKING:
@@ -15,7 +17,9 @@ if TYPE_CHECKING:
 class RestProposer(DraftProposer):
     """Drafts the heaviest chain of a trie merging datastore, output-index (recently finished
     requests of this engine) and in-context continuations of the longest matching suffix
-    (REST, extended with the context and output sources). With the ``tree``
+    (REST, extended with the context and output sources). With a goodput budget, nodes rank by
+    its calibrated path chance (a long in-context match outranks a frequent short datastore
+    continuation), else by trie weight. With the ``tree``
     option it drafts the heaviest subtree instead (at most ``top_k`` and
     ``num_speculative_tokens`` nodes) for tree verification."""
 
@@ -36,11 +40,28 @@ class RestProposer(DraftProposer):
     def uses_output_index(self) -> bool:
         return self.options.use_output_index
 
+    def uses_live_index(self) -> bool:
+        return self.options.use_live_index and self.num_speculative_tokens > 1
+
     def draft(self, batch: DraftBatch) -> RestDrafts:
         output_index = self.session.output_index if self.session is not None else None
         self.last_drafts = rest_retrieve(
             self.datastore, batch.token_ids, batch.num_tokens, batch.rows, self.params,
             output_index=None if output_index is None else output_index.native,
+            live=self._live_matches(batch),
+            chances=self._chances(),
             num_threads=self.options.num_threads,
         )
         return self.last_drafts
+
+    def _chances(self) -> ChanceTable | None:
+        """The goodput budget's calibrated chance table (None without a budget: rank by weight)."""
+        budget = None if self.session is None else self.session.budget
+        return None if budget is None else budget.chance_table()
+
+    def _live_matches(self, batch: DraftBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The rows' continuations from the other requests in flight (None without a live index)."""
+        found = None if self.session is None else self.session.live_matches(
+            batch.token_ids, batch.num_tokens, batch.rows, self.options.live_max_matches,
+            self.params.continuation_len, self.options.num_threads)
+        return None if found is None else found.as_given()

@@ -1,6 +1,7 @@
-"""Admission control in tree mode: sampling features that treat drafts as a sequence are
+"""Admission control: in tree mode, sampling features that treat drafts as a sequence are
 refused when a request arrives (HTTP 400 on the server) instead of silently changing the
-output of a tree step."""
+output of a tree step; in chain mode, seeded requests with features the keyed sampler does not
+apply at every position (their tokens would not repeat)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,26 @@ def refuse_chain_only_features(params: object) -> None:
         raise VLLMValidationError(
             f"{', '.join(used)} cannot be used while the server verifies draft trees "
             "(retrieval_spec.tree); drop them or serve without tree mode",
+            parameter=used[0],
+        )
+
+
+# Features a seeded request cannot use in chain mode: vLLM applies them at its bonus rows only.
+UNREPEATABLE_WITH_SEED = ("min_p", "logit_bias")
+_SAMPLING_EPS = 1e-5  # vLLM: below this temperature a request is greedy
+
+
+def refuse_unrepeatable_seeds(params: object) -> None:
+    """Reject (HTTP 400 on the server) a seeded sampling request using min_p or logit_bias,
+    which speculative verification applies at some positions only: its tokens would not
+    repeat as ``seed`` promises."""
+    if not isinstance(params, SamplingParams) or params.seed is None or params.temperature < _SAMPLING_EPS:
+        return
+    used = [name for name in UNREPEATABLE_WITH_SEED if CHAIN_ONLY_FEATURES[name](params)]
+    if used:
+        raise VLLMValidationError(
+            f"{', '.join(used)} cannot be combined with seed while the server speculates: seeded "
+            "tokens repeat exactly with temperature, top_k, top_p, penalties, bad_words, "
+            "allowed_token_ids, min_tokens and structured outputs; drop them or the seed",
             parameter=used[0],
         )

@@ -9,6 +9,16 @@ accepted path's K/V then move into the first draft slots, because the scheduler 
 of a prefix of the draft slots. Other steps, and chain steps whose requests use sampling
 features applied to drafts as a sequence (penalties, bad words, ...), go to vLLM's own rejection
 sampler, with the drawn candidates' ``q`` as its draft probabilities.
+
+Seeded requests (``seed`` at temperature > 0) repeat exactly: every step that holds one is ours,
+drafted or not, and verifies it with the keyed rule (:attr:`AcceptRule.KEYED`): the token at
+absolute position ``t`` is the inverse-CDF sample of the target distribution with the uniform
+``keyed_uniform(seed, t)``, and a draft (or a tree's child) is accepted iff it is that token, so
+the tokens are those of the no-draft path whatever was drafted, whatever ran beside or before.
+In chain steps with sequence features their logits are first processed as vLLM's rejection
+sampler processes them. MCSS stays off this path: a step whose candidates were drawn from the
+drafter's ``q`` (``candidates: "sampled"``) is verified by MCSS, seeded or not, and keeps the
+model's distribution without repeating (its outcome depends on ``q`` and on what was drafted).
 """
 
 from __future__ import annotations
@@ -38,41 +48,61 @@ class TreeRejectionSampler(RejectionSampler):
         plan = self._session.plan
         if plan is None:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        keyed = keyed_rows(sampling_metadata, len(plan.offsets) - 1) & ~drawn_rows(plan)
+        scores = logits = logits.to(torch.float32)
         if processes_drafts_as_a_sequence(sampling_metadata) and not plan.is_branching():
-            self._session.plan = None
-            probs = None if plan.draft_q is None else torch.from_numpy(chain_draft_probs(plan, logits.shape[1]))
-            return super().forward(metadata, None if probs is None else probs.to(logits.device), logits,
-                                   sampling_metadata)
-        logits = logits.to(torch.float32)
+            if not keyed.any():
+                self._session.plan = None
+                probs = None if plan.draft_q is None else torch.from_numpy(chain_draft_probs(plan, logits.shape[1]))
+                return super().forward(metadata, None if probs is None else probs.to(logits.device), logits,
+                                       sampling_metadata)
+            scores = self._processed_as_a_sequence(metadata, logits, sampling_metadata)
         rows = plan.logit_rows()
-        node_logits = logits if rows is None else logits[torch.from_numpy(rows).to(logits.device)]
-        out_tokens, path_nodes, num_accepted = self._accept(plan, node_logits, metadata, sampling_metadata)
+        node_scores = scores if rows is None else scores[torch.from_numpy(rows).to(logits.device)]
+        out_tokens, path_nodes, num_accepted = self._accept(plan, node_scores, keyed, metadata, sampling_metadata)
         self._session.finish_step(path_nodes, num_accepted)
         output = torch.as_tensor(out_tokens).to(logits.device)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._path_logprobs(plan, logits, metadata, sampling_metadata, path_nodes, output)
+            logprobs = self._path_logprobs(plan, scores if self.is_processed_logprobs_mode else logits, metadata,
+                                           sampling_metadata, path_nodes, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    def _accept(self, plan: TreeStepPlan, logits: torch.Tensor, metadata, sampling_metadata):
-        """Walk every tree from the raw logits: the kernel computes the target distribution
-        (temperature, top-k, top-p) only at the nodes its walk visits."""
+    def _processed_as_a_sequence(self, metadata, logits: torch.Tensor, sampling_metadata) -> torch.Tensor:
+        """The logits vLLM's rejection sampler samples from in a chain step: penalties, bad
+        words, allowed token ids, min_tokens and thinking budgets applied along each chain by its
+        own processors, at the draft rows and (as its sampler does) at the bonus rows."""
+        processed = logits.clone()
+        target, bonus = metadata.target_logits_indices, metadata.bonus_logits_indices
+        processed[target] = self.apply_logits_processors(processed[target], sampling_metadata, metadata)
+        processed[bonus] = self.sampler.apply_logits_processors(processed[bonus], sampling_metadata,
+                                                                predict_bonus_token=True)
+        return processed
+
+    def _accept(self, plan: TreeStepPlan, logits: torch.Tensor, keyed: np.ndarray, metadata, sampling_metadata):
+        """Walk every tree from the logits: the kernel computes the target distribution
+        (temperature, top-k, top-p) only at the nodes its walk visits. Seeded requests (``keyed``)
+        take the keyed rule; unseeded ones keep the per-step streams of the candidate rule,
+        which promise no repetition and need none, and drawn candidates always take MCSS, whose
+        acceptance depends on ``q``."""
         num_requests = len(plan.offsets) - 1
         greedy = request_is_greedy(sampling_metadata, num_requests)
-        drawn = (np.zeros(num_requests, bool) if plan.draft_q is None else plan.draft_q.drawn) & ~greedy
-        rules = np.select([greedy, drawn], [AcceptRule.GREEDY, self._drawn_rule], AcceptRule.CANDIDATES)
+        keyed = keyed & ~greedy
+        drawn = drawn_rows(plan) & ~greedy
+        rules = np.select([greedy, keyed, drawn], [AcceptRule.GREEDY, AcceptRule.KEYED, self._drawn_rule],
+                          AcceptRule.CANDIDATES)
         self._session.stats.mcss_requests += int(drawn.sum())
         on_gpu = logits.is_cuda
-        seeds = request_seeds(sampling_metadata, num_requests, logits.device)
+        seeds = request_seeds(sampling_metadata, keyed)
         draft = None
         if drawn.any():
             draft = SparseDraft(*(torch.from_numpy(a).to(logits.device) if on_gpu else a
                                   for a in (plan.draft_q.tokens, plan.draft_q.probs)))
         result = accept_trees(  # the CUDA kernel when the logits live on a GPU
             logits if on_gpu else logits.numpy(), plan.tokens, plan.parents, plan.offsets,
-            rules.astype(np.int32), seeds if on_gpu else seeds.numpy().view(np.uint64),
-            out_width=metadata.max_spec_len + 1, draft=draft,
+            rules.astype(np.int32), seeds, out_width=metadata.max_spec_len + 1, draft=draft,
             sampling=None if greedy.all() else row_sampling(sampling_metadata, num_requests, on_gpu),
+            positions=plan.positions if keyed.any() else None,
         )
         return result.out_tokens, to_host(result.path_nodes), to_host(result.num_accepted)
 
@@ -158,13 +188,23 @@ def request_is_greedy(sampling_metadata, num_requests: int) -> np.ndarray:
     return (sampling_metadata.temperature[:num_requests] == GREEDY_TEMPERATURE).cpu().numpy()
 
 
-def request_seeds(sampling_metadata, num_requests: int, device: torch.device) -> torch.Tensor:
-    """One 63-bit seed per request (int64, on ``device``, no host sync): from the request's
-    own generator when it has a seed (reproducible sampling), else from torch's global one."""
-    seeds = torch.randint(0, 2**62, (num_requests,), dtype=torch.int64).to(device)
-    seeded = [(row, generator) for row, generator in sampling_metadata.generators.items() if row < num_requests]
-    if seeded:
-        rows = torch.tensor([row for row, _ in seeded], device=device)
-        draws = [torch.randint(0, 2**62, (1,), generator=g, device=g.device) for _, g in seeded]
-        seeds[rows] = torch.cat(draws).to(device)
+def drawn_rows(plan: TreeStepPlan) -> np.ndarray:
+    """``[B]`` bool: the requests whose candidates were drawn from the drafter's ``q``."""
+    return np.zeros(len(plan.offsets) - 1, bool) if plan.draft_q is None else plan.draft_q.drawn
+
+
+def keyed_rows(sampling_metadata, num_requests: int) -> np.ndarray:
+    """``[B]`` bool: the requests that sample with a seed (vLLM gives exactly those a
+    generator)."""
+    keyed = np.zeros(num_requests, bool)
+    keyed[[row for row in sampling_metadata.generators if row < num_requests]] = True
+    return keyed
+
+
+def request_seeds(sampling_metadata, keyed: np.ndarray) -> np.ndarray:
+    """``[B]`` uint64: a keyed request's own seed (its generator's), for the others a fresh
+    63-bit draw from torch's global generator."""
+    seeds = torch.randint(0, 2**62, (len(keyed),), dtype=torch.int64).numpy().view(np.uint64)
+    rows = np.flatnonzero(keyed)
+    seeds[rows] = [sampling_metadata.generators[row].initial_seed() for row in rows]
     return seeds

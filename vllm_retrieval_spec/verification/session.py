@@ -10,6 +10,9 @@ drafter, and owns everything that lives between drafting and verification:
   when the scheduler reports the request finished or aborted;
 - the cross-request :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex` (REST
   with ``use_output_index``), fed with the tokens of every finished request;
+- the cross-request :class:`~vllm_retrieval_spec.datastores.live_index.LiveIndex` of the
+  requests still in flight (REST with ``use_live_index``), brought up to date when a step
+  drafts and rid of each request as it finishes or is aborted;
 - with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
   model learns from the time between consecutive drafting calls (drafting itself excluded)
   and the tokens the step in between scheduled;
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from vllm_retrieval_spec.candidates import DraftQ
+from vllm_retrieval_spec.datastores.live_index import LiveIndex, LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.kernels.attention import KVLayout
@@ -95,6 +99,7 @@ class SpecSession:
     head_size: int = 0
     budget: GoodputBudget | None = None
     output_index: OutputIndex | None = None
+    live_index: LiveIndex | None = None
     metrics: StepMetrics | None = None
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
@@ -179,8 +184,20 @@ class SpecSession:
         req_ids = list(req_ids)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+        if self.live_index is not None:
+            self.live_index.remove(req_ids)
         if self.budget is not None:
             self.budget.release(req_ids)
+
+    def live_matches(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, max_matches: int,
+                     cont_len: int, num_threads: int = 0) -> LiveMatches | None:
+        """Bring the live index up to every row's tokens so far (``token_ids`` and ``num_tokens``:
+        vLLM's buffers for this step's rows), then search it for ``rows``; None without one."""
+        if self.live_index is None:
+            return None
+        self.live_index.update(self.step_req_ids, token_ids, num_tokens)
+        return self.live_index.lookup(self.step_req_ids, token_ids, num_tokens, rows, max_matches, cont_len,
+                                      num_threads)
 
     def tree_for(self, req_id: str, scheduled_tokens: Sequence[int]) -> tuple[DraftTree, DraftQ | None]:
         """The tree behind the tokens the scheduler sent back (it may keep only a prefix) and,
@@ -196,15 +213,16 @@ class SpecSession:
     # ------------------------------------------------------------- verification side
 
     def plan_step(self, runner: GPUModelRunner, spec_tokens: Mapping[str, Sequence[int]]) -> None:
-        """Build this step's plan when our sampler verifies it (a tree branches, or a request
-        that samples has drafts) and move branching trees' rotary positions to ``base +
-        depth``. Runs after vLLM's ``_prepare_inputs``."""
+        """Build this step's plan when our sampler verifies it (a tree branches, a request
+        that samples has drafts, or a request samples with a seed) and move branching trees'
+        rotary positions to ``base + depth``. Runs after vLLM's ``_prepare_inputs``."""
         self.plan = self._kv_layout = None
         self._kv_groups = {}
         self._sampled_tokens = 0
-        if not spec_tokens:
-            return
         batch = runner.input_batch
+        keyed = bool(batch.generators)  # seeded sampling: our sampler draws each of their tokens
+        if not (spec_tokens or keyed):
+            return
         num_reqs = batch.num_reqs
         samples = batch.temperature_cpu[:num_reqs] > 0
         if not (self.tree_mode or samples.any()):
@@ -214,10 +232,11 @@ class SpecSession:
         drafted = [self.tree_for(req_id, without_placeholders(tokens)) for req_id, tokens in zip(req_ids, scheduled)]
         plan = TreeStepPlan.build([tree for tree, _ in drafted], runner.query_start_loc.np[:num_reqs],
                                   [q for _, q in drafted], np.fromiter(map(len, scheduled), np.int64, num_reqs))
+        plan.positions = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
         self._sampled_tokens = int(plan.sizes[samples].sum())
         if plan.is_branching():
             self._plan_tree_attention(runner, plan)
-        elif not (plan.sizes > 0)[samples].any():
+        elif not (keyed or (plan.sizes > 0)[samples].any()):
             return
         self.plan = plan
 

@@ -32,6 +32,7 @@ class TreeStepPlan:
     branching: np.ndarray  # [B] bool, the rows whose tree is not a chain
     draft_q: DraftQRows | None = None  # the draft distributions of rows with drawn candidates
     scheduled: np.ndarray | None = None  # [B] draft slots per row, when some hold placeholders, not nodes
+    positions: np.ndarray | None = None  # [B] int64: the absolute position of each row's root token
 
     @classmethod
     def build(cls, trees: Sequence[DraftTree], query_starts: np.ndarray,
