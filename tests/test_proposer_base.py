@@ -130,6 +130,9 @@ class RecordingSession:
     def live_matches(self, *_) -> None:
         return None  # no live index of other requests in flight
 
+    def follow_live_index(self, *_) -> None:
+        pass  # no live index to follow
+
 
 def goodput_budget(per_token_seconds: float):
     from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel

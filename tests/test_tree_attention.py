@@ -287,6 +287,18 @@ def attention_options(rng: np.random.Generator, heads: int, device: str) -> dict
     return {"window": window, "softcap": softcap, "sinks": sinks}
 
 
+def assert_matches_reference(inputs: dict, options: dict, layout: KVLayout, dtype: torch.dtype, device: str,
+                             tolerance: float) -> None:
+    """The kernel's rows equal the reference's on the same inputs and options, to ``tolerance``."""
+    out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device=device)
+    tree_attention(layout=layout, out=out, **inputs, **options)
+    host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
+            for name, value in {**inputs, **options}.items()}
+    expected = tree_attention_reference(layout=layout, **host)
+    got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
+    torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -298,13 +310,7 @@ def test_kernel_matches_reference_with_window_softcap_and_sinks(layout, dtype, d
     for _ in range(30):
         inputs = random_tree_batch(rng, layout, dtype, device)
         options = attention_options(rng, inputs["heads"], device)
-        out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device=device)
-        tree_attention(layout=layout, out=out, **inputs, **options)
-        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
-                for name, value in {**inputs, **options}.items()}
-        expected = tree_attention_reference(layout=layout, **host)
-        got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
-        torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
+        assert_matches_reference(inputs, options, layout, dtype, device, tolerance)
 
 
 @NO_CUDA
@@ -321,13 +327,7 @@ def test_cuda_kernel_matches_reference_on_long_contexts(layout, dtype, group, kv
                                    requests=requests, min_context=2900, max_context=3100)
         options = attention_options(rng, inputs["heads"], "cuda")
         options["window"] = int(rng.choice([0, 700, 2990]))
-        out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device="cuda")
-        tree_attention(layout=layout, out=out, **inputs, **options)
-        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
-                for name, value in {**inputs, **options}.items()}
-        expected = tree_attention_reference(layout=layout, **host)
-        got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
-        torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
+        assert_matches_reference(inputs, options, layout, dtype, "cuda", tolerance)
 
 
 def test_window_wider_than_every_path_changes_nothing():

@@ -604,26 +604,33 @@ def test_extension_checks_sampling_and_sparse_shapes():
                          draft_values=np.zeros((1, 3), np.float32))
 
 
+def on_cuda(value):
+    """A batch value (array, RowSampling or SparseDraft of arrays) as CUDA tensors."""
+    import torch
+
+    if isinstance(value, (RowSampling, SparseDraft)):
+        return type(value)(*(torch.from_numpy(np.asarray(v)).cuda() for v in vars(value).values()))
+    return torch.from_numpy(np.asarray(value)).cuda()
+
+
+def assert_cuda_walks_match(batch: dict, expected) -> None:
+    """``accept_trees`` on CUDA copies of ``batch`` walks exactly as ``expected`` (the CPU's)."""
+    got = accept_trees(**{k: on_cuda(v) for k, v in batch.items()})
+    for name in ("out_tokens", "path_nodes", "num_accepted"):
+        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
+
+
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
 @pytest.mark.parametrize("seed", range(20))
 def test_cuda_lazy_and_sparse_rows_match_cpu(seed):
-    import torch
-
     vocab = [7, 50, 1100, 40000][seed % 4]
     batch = lazy_batch(3000 + seed, vocab, sparse=seed % 2 == 1)
     expected = accept_trees(**batch)
 
-    def cuda(value):
-        if isinstance(value, (RowSampling, SparseDraft)):
-            return type(value)(*(torch.from_numpy(np.asarray(v)).cuda() for v in vars(value).values()))
-        return torch.from_numpy(np.asarray(value)).cuda()
-
-    got = accept_trees(**{k: cuda(v) for k, v in batch.items()})
-    for name in ("out_tokens", "path_nodes", "num_accepted"):
-        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
+    assert_cuda_walks_match(batch, expected)
     logits = batch["scores"][: len(batch["rules"])]
     sampling = RowSampling(*(np.asarray(v) for v in vars(batch["sampling"]).values()))
-    rows = target_distributions(cuda(logits), cuda(sampling))
+    rows = target_distributions(on_cuda(logits), on_cuda(sampling))
     assert np.array_equal(rows.cpu().numpy(), target_distributions(logits, sampling))
 
 
@@ -692,17 +699,8 @@ def test_keyed_rule_needs_positions():
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
 @pytest.mark.parametrize("seed", range(12))
 def test_cuda_keyed_rule_matches_cpu(seed):
-    import torch
-
     vocab = [7, 50, 1100, 40000][seed % 4]
     batch = keyed_batch(4000 + seed, vocab, lazy=seed % 2 == 1)
     expected = accept_trees(**batch)
 
-    def cuda(value):
-        if isinstance(value, RowSampling):
-            return RowSampling(*(torch.from_numpy(np.asarray(v)).cuda() for v in vars(value).values()))
-        return torch.from_numpy(np.asarray(value)).cuda()
-
-    got = accept_trees(**{k: cuda(v) for k, v in batch.items()})
-    for name in ("out_tokens", "path_nodes", "num_accepted"):
-        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
+    assert_cuda_walks_match(batch, expected)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 PROG = "vllm-retrieval-spec"
 DEBUG_ENV = "VLLM_RETRIEVAL_SPEC_DEBUG"
 EXIT_BAD_INPUT = 2  # as argparse's usage errors
-EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 8}\''
+EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}\''
 
 
 class CommandLineError(ValueError):
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--proposer", default="RestProposer",
                       help=f"class in {PACKAGE}: {', '.join(PROPOSERS)}")
     demo.add_argument("--datastore", default="python-code", help="REST datastore: recipe name or directory")
-    demo.add_argument("--num-speculative-tokens", type=int, default=8)
+    demo.add_argument("--num-speculative-tokens", type=int, default=32)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
 

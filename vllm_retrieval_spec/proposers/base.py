@@ -59,6 +59,9 @@ class DraftSession(Protocol):
                      cont_len: int, num_threads: int = 0) -> LiveMatches | None:
         """Continuations for ``rows`` from the other requests in flight, when uses_live_index()."""
 
+    def follow_live_index(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Bring the live index (when there is one) up to this step's rows' tokens."""
+
 
 @dataclass
 class DraftBatch:
@@ -206,7 +209,9 @@ class DraftProposer(abc.ABC):
         """Draft for the rows that need (and, with a goodput budget, deserve) drafts, then keep
         what the budget chooses (or cut each row to its token budget); with sampled
         candidates, the rows that sample then draw that many nodes from the drafter's ``q``."""
-        start = time.perf_counter()
+        if self.session is not None:  # every step, searched or not: a skipped step leaves no backlog
+            self.session.follow_live_index(token_ids, num_tokens)
+        start = time.perf_counter()  # the search time the budget weighs
         batch = self._rows_needing_drafts(sampled_token_ids, num_tokens, token_ids)
         budget = self.session.budget if self.session is not None else None
         if budget is not None:

@@ -189,13 +189,19 @@ class SpecSession:
         if self.budget is not None:
             self.budget.release(req_ids)
 
+    def follow_live_index(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Bring the live index (when there is one) up to every row's tokens so far
+        (``token_ids`` and ``num_tokens``: vLLM's buffers for this step's rows)."""
+        if self.live_index is not None:
+            self.live_index.update(self.step_req_ids, token_ids, num_tokens)
+
     def live_matches(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, max_matches: int,
                      cont_len: int, num_threads: int = 0) -> LiveMatches | None:
-        """Bring the live index up to every row's tokens so far (``token_ids`` and ``num_tokens``:
-        vLLM's buffers for this step's rows), then search it for ``rows``; None without one."""
+        """Follow the rows' tokens (a no-op when this step already did), then search the live
+        index for ``rows``; None without one."""
         if self.live_index is None:
             return None
-        self.live_index.update(self.step_req_ids, token_ids, num_tokens)
+        self.follow_live_index(token_ids, num_tokens)
         return self.live_index.lookup(self.step_req_ids, token_ids, num_tokens, rows, max_matches, cont_len,
                                       num_threads)
 
