@@ -266,6 +266,7 @@ def test_finished_and_aborted_requests_leave_no_state_mid_step():
     contexts = {"a": [*prompt, 1, 2, 3], "b": [*prompt, 1, 2], "c": prompt}
     req_ids, token_ids, num_tokens = batch_arrays(contexts)
     session.begin_step(req_ids)
+    session.follow_live_index(token_ids, num_tokens)
     found = session.live_matches(token_ids, num_tokens, all_rows(req_ids), 4, 4)
     assert found.lengths[2].tolist() == [2, 3, 0, 0]  # "c" drafts from "b", then "a"
     session.release(["b", "never-seen"])  # "b" finished (or was aborted) before the next step
@@ -274,6 +275,7 @@ def test_finished_and_aborted_requests_leave_no_state_mid_step():
     del contexts["b"]
     req_ids, token_ids, num_tokens = batch_arrays(contexts)
     session.begin_step(req_ids)
+    session.follow_live_index(token_ids, num_tokens)
     found = session.live_matches(token_ids, num_tokens, all_rows(req_ids), 4, 4)
     assert found.lengths[1].tolist() == [3, 0, 0, 0] and found.tokens[1, 0, :3].tolist() == [1, 2, 3]
     session.release(req_ids)

@@ -197,11 +197,10 @@ class SpecSession:
 
     def live_matches(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, max_matches: int,
                      cont_len: int, num_threads: int = 0) -> LiveMatches | None:
-        """Follow the rows' tokens (a no-op when this step already did), then search the live
-        index for ``rows``; None without one."""
+        """Search the live index (followed this step by :meth:`follow_live_index`) for
+        ``rows``; None without one."""
         if self.live_index is None:
             return None
-        self.follow_live_index(token_ids, num_tokens)
         return self.live_index.lookup(self.step_req_ids, token_ids, num_tokens, rows, max_matches, cont_len,
                                       num_threads)
 
