@@ -11,6 +11,7 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
     python benchmarks/acceptance.py --prompts 40 --max-tokens 128 --form raw
     python benchmarks/acceptance.py --configs none prompt_lookup_k8 ngram_k8 --form both
     python benchmarks/acceptance.py --temperature 0.7 --top-p 0.9 --repeats 3 --configs none suffix rest_k8
+    python benchmarks/acceptance.py --form chat --temperature 0.7 --seed 1000 --concurrency 8 --configs rest_k8 suffix
     python benchmarks/acceptance.py --prompts 164 --max-tokens 64 --concurrency 8 --form both --tag budget
         --configs none suffix rest_k8 rest_k8_fixed rest_tree_k16 prompt_lookup_k8 ngrammys_k8 ngrammys_tree_k16
         (one command line)
@@ -24,9 +25,13 @@ Greedy by default; with ``--temperature`` (and ``--top-p``) requests sample with
 seeds (vLLM's seeded path is slower on the CPU and would mix its cost into the ratios), outputs
 are not compared, and ``--repeats`` runs the prompts several times: the honest figure gets a 95%
 bootstrap interval over requests, tokens/s and the acceptance rate a 95% t interval over the
-repeats.
+repeats. With ``--seed BASE`` request i samples with seed BASE + i and outputs are compared as
+greedy ones, each with the same engine drafting nothing: ours with our sampler drafting nothing
+(``rest_k8_never_drafts``, run second), vLLM's (``none``, its methods) with no speculation, whose
+sampler draws differently. Ours must not differ (the seeded promise; vLLM's CPU matmuls at other
+batch shapes may move a near-tie, about one request in 30).
 
-Writes benchmarks/results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>]][_<tag>].json.
+Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>][_s<seed>]][_<tag>].json.
 """
 
 from __future__ import annotations
@@ -88,8 +93,13 @@ def _ngram(k: int) -> dict:
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
 
 
+# Our sampler drafting nothing, the reference of seeded runs (--seed): budget auto drafts only
+# where it beats no speculation by 1 + budget_margin = 11x, more than K = 8 drafts can give.
+NEVER_DRAFT = {"budget": "auto", "budget_margin": 10.0}
+SEEDED_REFERENCE = "rest_k8_never_drafts"
 CONFIGS: dict[str, dict] = {
     "none": {},
+    SEEDED_REFERENCE: _ours("RestProposer", 8, **NEVER_DRAFT),
     "none_again": {},  # no speculation once more, last: how much the machine drifted during the run
     # Our proposers run with budget "auto" (the default); *_fixed always drafts up to K.
     "prompt_lookup_k8": _ours("PromptLookupProposer", 8),
@@ -136,10 +146,14 @@ CONFIGS: dict[str, dict] = {
 DEFAULT_CONFIGS = ["none", "rest_k8", "rest_datastore_k8", "rest_context_k8", "ngram_k4", "ngram_k8", "suffix"]
 
 
+def is_ours(config: dict) -> bool:
+    """Whether ``config`` runs one of our proposers (and so our sampler)."""
+    return str((config.get("speculative_config") or {}).get("model", "")).startswith("vllm_retrieval_spec.")
+
+
 def with_options(config: dict, options: dict) -> dict:
     """``config`` with ``options`` added to its ``retrieval_spec`` section (our proposers only)."""
-    speculative = config.get("speculative_config") or {}
-    if not options or not str(speculative.get("model", "")).startswith("vllm_retrieval_spec."):
+    if not options or not is_ours(config):
         return config
     section = (config.get("additional_config") or {}).get("retrieval_spec", {})
     return {**config, "additional_config": {"retrieval_spec": {**section, **options}}}
@@ -157,14 +171,15 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    config = with_options(CONFIGS[name], dict(args.option))
+    config = with_options(CONFIGS[name], {**dict(args.option), **(NEVER_DRAFT if name == SEEDED_REFERENCE else {})})
     spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
                       max_num_seqs=max(args.concurrency, 1))
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    seeds = None if args.seed is None else [args.seed + i for i in range(len(prompts))]
     llm = build_llm(spec)
     try:
-        generate(llm, prompts[:1], 8, **sampling)  # warm-up
-        runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency, **sampling)
+        generate(llm, prompts[:1], 8, seeds=seeds and seeds[:1], **sampling)  # warm-up
+        runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency, seeds=seeds, **sampling)
                 for _ in range(args.repeats)]
         budget = budget_report(llm, args.concurrency)
     finally:
@@ -264,7 +279,7 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
     prompts = benchmark_prompts(model, form, args)
     results, outputs = [], []
     report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p,
+              "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
               "repeats": args.repeats, "model": "SmolLM2-135M-Instruct (float32)",
               "machine": platform.machine(), "processor_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
@@ -273,26 +288,32 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
         result = run_config(model, name, prompts, args)
         outputs.append(result.pop("output_ids"))
         results.append(result)
-        compare(results, outputs, greedy=args.temperature == 0)
+        compare(results, outputs, repeatable=args.temperature == 0 or args.seed is not None)
         report_path(form, report, args).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def compare(results: list[dict], outputs: list[list[list[int]]], greedy: bool = True) -> None:
+def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: bool = True) -> None:
     """Ratios to no speculation (the mean of its runs, first and, with --repeat-baseline, last)
-    and to vLLM suffix, and (greedy) differing prompts."""
+    and to vLLM suffix, and (greedy or seeded) prompts differing from the same engine without
+    drafts: for ours our sampler drafting nothing where it ran (seeded runs), else no speculation."""
     suffix = next((r for r in results if r["config"] == "suffix"), None)
     baseline = [r["tokens_per_second"] for r in results if r["config"] in ("none", "none_again")]
+    names = [r["config"] for r in results]
+    ours_reference = outputs[names.index(SEEDED_REFERENCE)] if SEEDED_REFERENCE in names else outputs[0]
     for result, output in zip(results, outputs):
+        reference = ours_reference if is_ours(CONFIGS[result["config"]]) else outputs[0]
         result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
         result["speedup_vs_suffix"] = result["tokens_per_second"] / suffix["tokens_per_second"] if suffix else None
-        result["prompts_differing_from_none"] = sum(a != b for a, b in zip(outputs[0], output)) if greedy else None
+        result["prompts_differing_from_none"] = (sum(a != b for a, b in zip(reference, output))
+                                                 if repeatable else None)
 
 
 def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
     tag = f"_{args.tag}" if args.tag else ""
     if args.temperature > 0:
-        tag = f"_T{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") + tag
+        seed = "" if args.seed is None else f"_s{args.seed}"
+        tag = f"_T{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") + seed + tag
     return RESULTS / f"acceptance_{form}_n{report['prompts']}_t{args.max_tokens}_c{args.concurrency}{tag}.json"
 
 
@@ -302,7 +323,7 @@ def print_table(report: dict) -> None:
               f"{'differ':>7s}")
     print(f"\n{report['form']} prompts: {report['prompts']}, max tokens {report['max_tokens']}, "
           f"concurrency {report['concurrency']}, temperature {report['temperature']}, top-p {report['top_p']}, "
-          f"repeats {report['repeats']}")
+          f"seed {report['seed']}, repeats {report['repeats']}")
     print(header)
     for r in report["results"]:
         mal = f"{r['vllm_mean_acceptance_length']:.2f}" if r["vllm_mean_acceptance_length"] else "-"
@@ -325,8 +346,11 @@ def _interval(bounds: list[float] | None, digits: int = 2) -> str:
     return "-" if bounds is None else f"{bounds[0]:.{digits}f}-{bounds[1]:.{digits}f}"
 
 
-def resolve_configs(requested: list[str], repeat_baseline: bool) -> list[str]:
-    names = ["none"] + [n for n in requested if n not in ("none", "none_again")]
+def resolve_configs(requested: list[str], repeat_baseline: bool, seeded: bool = False) -> list[str]:
+    """No speculation first (then, ``seeded``, our sampler drafting nothing), ``requested``, and
+    with ``repeat_baseline`` no speculation again."""
+    first = ["none", SEEDED_REFERENCE] if seeded else ["none"]
+    names = first + [n for n in requested if n not in (*first, "none_again")]
     names += ["none_again"] if repeat_baseline else []
     available = []
     for name in names:
@@ -356,14 +380,18 @@ def main() -> None:
                              "datastore=DIR dense_datastore=DIR for in-distribution stores")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    parser.add_argument("--seed", type=int, metavar="BASE", help="request i samples with seed BASE + i (with "
+                        "--temperature): outputs must then equal no speculation's, as greedy ones")
     parser.add_argument("--repeats", type=int, default=1, help="runs of the prompt set per config (intervals)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")
     args = parser.parse_args()
+    if args.seed is not None and args.temperature <= 0:
+        parser.error("--seed needs --temperature above 0 (greedy requests ignore seeds)")
 
     model = ensure_smollm2_checkpoint()
-    names = resolve_configs(args.configs, args.repeat_baseline)
+    names = resolve_configs(args.configs, args.repeat_baseline, seeded=args.seed is not None)
     RESULTS.mkdir(parents=True, exist_ok=True)
     forms = ["raw", "chat"] if args.form == "both" else [args.form]
     for form in [args.dataset.stem] if args.dataset else forms:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, accept_trees, pack_tree_masks
+from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, TreeBatch, accept_trees, pack_tree_masks
 from vllm_retrieval_spec.kernels.tree_reference import accept_trees_reference, pack_tree_masks_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,21 +64,20 @@ def tree_inputs(rng: np.random.Generator, batch: int, nodes: int, vocab: int, ru
     draft = torch.softmax(logits * 0.5, dim=1) if rule >= AcceptRule.MCSS else None
     scores = logits if rule == AcceptRule.GREEDY else torch.softmax(logits, dim=1)
     del logits
-    return dict(scores=scores, tokens=tokens, parents=torch.as_tensor(parents, device=device),
-                offsets=torch.as_tensor(offsets, device=device),
-                rules=torch.full((batch,), int(rule), dtype=torch.int32, device=device),
-                seeds=torch.arange(batch, dtype=torch.int64, device=device), draft_probs=draft)
+    trees = TreeBatch(tokens, torch.as_tensor(parents, device=device), torch.as_tensor(offsets, device=device),
+                      rules=torch.full((batch,), int(rule), dtype=torch.int32, device=device),
+                      seeds=torch.arange(batch, dtype=torch.int64, device=device))
+    return dict(scores=scores, batch=trees, draft_probs=draft)
 
 
 def as_kernel_args(inputs: dict, device: str) -> dict:
     """CUDA tensors as they are; NumPy arrays for the CPU kernels."""
-    if device == "cuda":
-        return inputs
-    return {k: None if v is None else v.numpy() for k, v in inputs.items()}
+    return inputs if device == "cuda" else as_numpy(inputs)
 
 
 def as_numpy(inputs: dict) -> dict:
-    return {k: None if v is None else v.cpu().numpy() for k, v in inputs.items()}
+    return {k: v.on_host() if isinstance(v, TreeBatch) else None if v is None else v.cpu().numpy()
+            for k, v in inputs.items()}
 
 
 def time_call(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -163,10 +162,10 @@ def sampling_inputs(rng: np.random.Generator, batch: int, shape: str, vocab: int
     follow = torch.as_tensor(rng.random(len(parents)) < 0.8, device=device)
     random_tokens = torch.as_tensor(rng.integers(0, vocab, len(parents)), device=device)
     tokens = torch.where(follow, logits.argmax(dim=1)[parent_rows], random_tokens).to(torch.int32)
-    return dict(logits=logits, tokens=tokens, parents=torch.as_tensor(parents, device=device),
-                offsets=torch.as_tensor(offsets, device=device),
-                rules=torch.full((batch,), int(AcceptRule.CANDIDATES), dtype=torch.int32, device=device),
-                seeds=torch.arange(batch, dtype=torch.int64, device=device), width=nodes + 1)
+    trees = TreeBatch(tokens, torch.as_tensor(parents, device=device), torch.as_tensor(offsets, device=device),
+                      rules=torch.full((batch,), int(AcceptRule.CANDIDATES), dtype=torch.int32, device=device),
+                      seeds=torch.arange(batch, dtype=torch.int64, device=device))
+    return dict(logits=logits, batch=trees, width=nodes + 1)
 
 
 def bench_sampling(rng: np.random.Generator, batch: int, shape: str, vocab: int, top_p: float,
@@ -175,10 +174,8 @@ def bench_sampling(rng: np.random.Generator, batch: int, shape: str, vocab: int,
 
     inputs = sampling_inputs(rng, batch, shape, vocab, device)
     logits, width = inputs["logits"], inputs["width"]
-    tree = {k: inputs[k] for k in ("tokens", "parents", "offsets", "rules", "seeds")}
-    if device == "cpu":
-        tree = {k: v.numpy().view(np.uint64) if k == "seeds" else v.numpy() for k, v in tree.items()}
-    counts = np.diff(inputs["offsets"].cpu().numpy()) + 1
+    trees = inputs["batch"] if device == "cuda" else inputs["batch"].on_host()
+    counts = np.diff(inputs["batch"].offsets.cpu().numpy()) + 1
     temperature = torch.full((batch,), 0.7, device=device)
     row_temperature = temperature.repeat_interleave(torch.as_tensor(counts, device=device))
     row_k = torch.full((len(logits),), top_k, dtype=torch.long, device=device) if top_k else None
@@ -190,13 +187,13 @@ def bench_sampling(rng: np.random.Generator, batch: int, shape: str, vocab: int,
 
     def today():  # what TreeRejectionSampler._scores does, then the kernel on probabilities
         probs = apply_top_k_top_p(logits / row_temperature[:, None], row_k, row_p).softmax(dim=-1)
-        return accept_trees(probs if device == "cuda" else probs.numpy(), **tree, out_width=width,
+        return accept_trees(probs if device == "cuda" else probs.numpy(), trees, out_width=width,
                             validate=False, num_threads=threads)
 
     host_logits = logits if device == "cuda" else logits.numpy()
 
     def lazy():
-        return accept_trees(host_logits, **tree, out_width=width, validate=False,
+        return accept_trees(host_logits, trees, out_width=width, validate=False,
                             num_threads=threads, sampling=sampling)
 
     previous = torch.get_num_threads()

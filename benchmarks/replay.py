@@ -33,7 +33,7 @@ from vllm_retrieval_spec.evaluation.traces import greedy_traces  # noqa: E402
 from vllm_retrieval_spec.kernels import context_ngram  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
-from vllm_retrieval_spec.ngrams.drafts import mixed_drafts  # noqa: E402
+from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, mixed_drafts  # noqa: E402
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, NgramTable, default_table_dir  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 
@@ -67,12 +67,10 @@ def ngrammys_drafter(table: NgramTable, options: RetrievalSpecOptions, draft_len
                      nodes: int = 0) -> TreeDrafter:
     """N-Grammys drafts of ``draft_len`` tokens; trees cut to ``nodes`` (0: uncut) as the
     engine's node budget does."""
+    strategy = MixedStrategy.from_options(options, draft_len)
 
     def draft(matrix: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], list[int]]]:
-        drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32),
-                              num_drafts=options.ngrammys_drafts, draft_len=draft_len,
-                              context_len=options.ngrammys_context_len,
-                              mixing=options.ngrammys_mixing)
+        drafts = mixed_drafts(table, matrix, lengths, np.arange(len(lengths), dtype=np.int32), strategy)
         if tree:
             cut = nodes or None
             return [tuple(part[:cut] for part in drafts.tree(i)) for i in range(len(lengths))]

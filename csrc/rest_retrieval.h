@@ -271,10 +271,12 @@ class ContinuationTrie {
     return a < b;
   }
 
-  // The top_k best-ranked nodes, written breadth-first (by depth, then rank) with parent
-  // positions; returns the count. Every node ranks after its parent (chances are at most 1),
-  // so the top_k form a subtree and a best-first expansion from the root finds them without
-  // sorting the trie.
+  // The top_k best-ranked nodes, written depth-first (each node's children in rank order) with
+  // parent positions; returns the count. Every node ranks after its parent (chances are at most
+  // 1), so the top_k form a subtree and a best-first expansion from the root finds them without
+  // sorting the trie. Depth-first puts the main path (the best child of the best child ...)
+  // first: its nodes see exactly their ancestors under a causal mask, so tree verification
+  // recomputes only the nodes after it.
   int select_tree(int top_k, NodeOutput out) {
     if (top_k <= 0) return 0;
     auto worse = [this](int32_t a, int32_t b) { return ranks_before(b, a); };
@@ -294,20 +296,8 @@ class ContinuationTrie {
         std::push_heap(frontier.begin(), frontier.end(), worse);
       }
     }
-    std::sort(chosen.begin(), chosen.end(), [this](int32_t a, int32_t b) {
-      if (nodes_[a].depth != nodes_[b].depth) return nodes_[a].depth < nodes_[b].depth;
-      return ranks_before(a, b);
-    });
-    // A parent is shallower than its children, so it is written (and positioned) first.
-    const int k = static_cast<int>(chosen.size());
-    if (position_.size() < nodes_.size()) position_.resize(nodes_.size());
-    for (int i = 0; i < k; ++i) {
-      const Node& node = nodes_[chosen[i]];
-      position_[chosen[i]] = i;
-      out.parents[i] = node.parent == 0 ? -1 : position_[node.parent];
-      write(out, i, chosen[i]);
-    }
-    return k;
+    write_preorder(out);
+    return static_cast<int>(chosen.size());
   }
 
   // From the root, follow the best-ranked child while its chance given its parent is at least
@@ -332,6 +322,43 @@ class ContinuationTrie {
  private:
   // A node's weight over its parent's: the drafter's raw acceptance guess.
   float ratio(int32_t node) const { return static_cast<float>(weight(node) / weight(nodes_[node].parent)); }
+
+  // Writes chosen_ (best-ranked first, a subtree) in preorder, children in rank order: each
+  // chosen node is linked to its parent's list of chosen children (slot k: the root), then the
+  // lists are walked with a stack of next siblings.
+  void write_preorder(NodeOutput out) {
+    const int k = static_cast<int>(chosen_.size());
+    if (position_.size() < nodes_.size()) position_.resize(nodes_.size());
+    first_kid_.assign(k + 1, -1);
+    next_kid_.assign(k, -1);
+    for (int i = 0; i < k; ++i) position_[chosen_[i]] = i;
+    for (int i = k - 1; i >= 0; --i) {  // prepending in reverse rank order keeps rank order
+      const int32_t parent = nodes_[chosen_[i]].parent;
+      const int slot = parent == 0 ? k : position_[parent];
+      next_kid_[i] = first_kid_[slot];
+      first_kid_[slot] = i;
+    }
+    std::vector<int32_t>& pending = scratch_;  // next siblings still to visit
+    pending.clear();
+    int written = 0;
+    for (int i = first_kid_[k]; i >= 0;) {
+      const int32_t node = chosen_[i];
+      const int32_t parent = nodes_[node].parent;
+      out.parents[written] = parent == 0 ? -1 : position_[parent];
+      write(out, written, node);
+      position_[node] = written++;  // read by its children, written after it
+      if (first_kid_[i] >= 0) {
+        pending.push_back(next_kid_[i]);
+        i = first_kid_[i];
+        continue;
+      }
+      i = next_kid_[i];
+      while (i < 0 && !pending.empty()) {
+        i = pending.back();
+        pending.pop_back();
+      }
+    }
+  }
 
   static int8_t source_flags(const Node& n) {
     return static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
@@ -382,6 +409,8 @@ class ContinuationTrie {
   std::vector<int32_t> scratch_;
   std::vector<int32_t> chosen_;
   std::vector<int32_t> position_;  // trie node -> index in the selected tree
+  std::vector<int32_t> first_kid_;  // per chosen node (and the root, last): its first chosen child
+  std::vector<int32_t> next_kid_;   // per chosen node: its next chosen sibling
 };
 
 // Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is

@@ -128,7 +128,7 @@ def test_draws_go_deep_where_q_is_sure_and_wide_where_it_is_not():
 def test_drawn_trees_verified_with_their_q_emit_the_target_distribution(replacement):
     """The drawn trees and their q, verified by the MCSS kernel against a fixed target p, emit
     tokens distributed as p at the first and second position: sampled candidates are lossless."""
-    from vllm_retrieval_spec.kernels.tree import AcceptRule, SparseDraft, accept_trees
+    from vllm_retrieval_spec.kernels.tree import AcceptRule, SparseDraft, TreeBatch, accept_trees
 
     target = np.array([0.3, 0.25, 0.2, 0.15, 0.1, 0.0], np.float32)
     nodes = candidate_nodes([[0, 1, 4, 2, 0, 3]], [[-1, -1, -1, 0, 0, 1]], [[0.5, 0.3, 0.2, 0.7, 0.3, 1.0]])
@@ -139,9 +139,9 @@ def test_drawn_trees_verified_with_their_q_emit_the_target_distribution(replacem
         drawn = sample_candidate_trees(nodes, np.array([4]), rng, per_node=2, replacement=replacement)
         n = int(drawn.size[0])
         q = drawn.row_q(0)
-        result = accept_trees(np.tile(target, (n + 1, 1)), drawn.tokens[0, :n], drawn.parents[0, :n],
-                              np.array([0, n]), np.array([rule]), np.array([trial], np.uint64),
-                              draft=SparseDraft(q.tokens, q.probs))
+        batch = TreeBatch(drawn.tokens[0, :n], drawn.parents[0, :n], np.array([0, n]), np.array([rule]),
+                          np.array([trial], np.uint64))
+        result = accept_trees(np.tile(target, (n + 1, 1)), batch, draft=SparseDraft(q.tokens, q.probs))
         first.append(int(result.out_tokens[0, 0]))
         if result.out_tokens.shape[1] > 1 and result.out_tokens[0, 1] >= 0:
             second.append(int(result.out_tokens[0, 1]))

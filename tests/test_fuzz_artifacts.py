@@ -33,7 +33,7 @@ from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import OutputSnapshotError, read_snapshot
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.ngrams import table as ngram_table
-from vllm_retrieval_spec.ngrams.drafts import mixed_drafts
+from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import NgramTable, NgramTableError
 from vllm_retrieval_spec.storage import MANIFEST, StorageError
 
@@ -98,8 +98,8 @@ def draft_dense(store: DenseDatastore) -> None:
 
 
 def draft_ngrams(table: NgramTable) -> None:
-    drafts = mixed_drafts(table, CONTEXT_TOKENS, CONTEXT_LENGTHS, ROWS, num_drafts=3, draft_len=4, context_len=2,
-                          mixing="context-first", with_trees=True)
+    drafts = mixed_drafts(table, CONTEXT_TOKENS, CONTEXT_LENGTHS, ROWS, MixedStrategy(3, 4, 2, "context-first"),
+                          with_trees=True)
     vocab = table.model.vocab_size
     assert_drafted_ids(drafts.tokens.reshape(-1, drafts.tokens.shape[2]), drafts.lengths.reshape(-1), vocab)
     assert_drafted_ids(drafts.tree_tokens, drafts.tree_size, vocab)

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, DraftNodes
-from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, StepCostModel, choose_nodes
+from vllm_retrieval_spec.goodput import (
+    AcceptanceCalibration,
+    GoodputBudget,
+    NodeCandidates,
+    StepCostModel,
+    choose_nodes,
+)
 from vllm_retrieval_spec.goodput.budget import RequestFactors
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import node_depths, path_products
@@ -17,7 +23,7 @@ CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
 def cost_model(base: float, per_request: float, per_token: float, steps: int = 200) -> StepCostModel:
     """A model that has learned an exact linear curve from varied steps."""
-    model = StepCostModel(prior=(base, per_request, per_token, 0.0, 0.0))
+    model = StepCostModel(prior=(base, per_request, per_token, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(0)
     for _ in range(steps):
         reqs, extra = int(rng.integers(1, 33)), int(rng.integers(0, 129))
@@ -37,28 +43,28 @@ def assert_closed_under_parents(keep: np.ndarray, parents: np.ndarray) -> None:
 
 def test_worthless_drafts_are_not_drafted():
     cost = cost_model(0.05, 0.002, 0.0015)
-    choice = choose_nodes(chain_chances(0.01), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
+    choice = choose_nodes(NodeCandidates(chain_chances(0.01), np.full(4, 8), 4), cost, 0.0, 0.05)
     assert not choice.keep.any()
 
 
 def test_expensive_verification_drafts_nothing_even_for_likely_nodes():
     cost = cost_model(0.01, 0.001, 0.05)  # a verified token costs five base steps
-    choice = choose_nodes(chain_chances(0.9), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
+    choice = choose_nodes(NodeCandidates(chain_chances(0.9), np.full(4, 8), 4), cost, 0.0, 0.05)
     assert not choice.keep.any()
 
 
 def test_free_verification_fills_every_row_budget():
     cost = cost_model(0.02, 0.001, 0.0)
     budgets = np.array([8, 3, 0, 5])
-    choice = choose_nodes(chain_chances(0.3), budgets, 4, cost, draft_seconds=0.0, margin=0.05)
+    choice = choose_nodes(NodeCandidates(chain_chances(0.3), budgets, 4), cost, 0.0, 0.05)
     np.testing.assert_array_equal(choice.keep.sum(axis=1), budgets)
     assert_closed_under_parents(choice.keep, CHAIN)
 
 
 def test_cost_of_drafting_counts():
     cost = cost_model(0.02, 0.001, 0.0)
-    cheap = choose_nodes(chain_chances(0.2), np.full(4, 8), 4, cost, draft_seconds=0.0, margin=0.05)
-    slow = choose_nodes(chain_chances(0.2), np.full(4, 8), 4, cost, draft_seconds=1.0, margin=0.05)
+    cheap = choose_nodes(NodeCandidates(chain_chances(0.2), np.full(4, 8), 4), cost, 0.0, 0.05)
+    slow = choose_nodes(NodeCandidates(chain_chances(0.2), np.full(4, 8), 4), cost, 1.0, 0.05)
     assert cheap.keep.any() and not slow.keep.any()
 
 
@@ -67,7 +73,7 @@ def test_the_chooser_keeps_the_most_likely_nodes_across_rows_and_whole_paths():
     parents = np.array([[-1, -1, 0, 0, 1, 2, 2, 5]] * 6, np.int32)
     chance = path_products(rng.uniform(0.05, 0.95, parents.shape), parents)
     cost = cost_model(0.05, 0.002, 0.0015)
-    choice = choose_nodes(chance, np.full(6, 8), 6, cost, draft_seconds=0.0, margin=0.0)
+    choice = choose_nodes(NodeCandidates(chance, np.full(6, 8), 6), cost, 0.0, 0.0)
     assert 0 < choice.keep.sum() < choice.keep.size
     assert_closed_under_parents(choice.keep, parents)
     assert chance[choice.keep].min() >= chance[~choice.keep].max()
@@ -90,7 +96,7 @@ def test_cost_model_learns_a_linear_curve_and_ignores_idle_gaps():
 
 
 def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0))
     for _ in range(100):
         model.observe(0.08, 8, 8)  # never any drafts: the per-token cost is not observable
     assert model.coefficients[2] == pytest.approx(0.0015, rel=0.05)
@@ -170,30 +176,47 @@ def test_request_state_is_released_and_memory_stays_bounded():
 
 
 def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
-    """Two rows whose trees fork at the root: branches pay only where tree steps are cheap."""
+    """Two rows whose trees fork at the root: branches pay only where tree attention is cheap."""
     parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
     chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
     main = main_paths(parents, np.full(2, 4))
     assert main.tolist() == [[True, False, True, False]] * 2
-    model = cost_model(0.02, 0.001, 0.0001)
-    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0), prior_steps=1e9)
-    dear = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05, 0.0), prior_steps=1e9)
-    assert model.per_branching_tree == pytest.approx(0.0, abs=1e-4)
-    assert choose_nodes(chance, np.full(2, 4), 2, cheap, 0.0, 0.05, main).keep.all()
-    np.testing.assert_array_equal(choose_nodes(chance, np.full(2, 4), 2, dear, 0.0, 0.05, main).keep, main)
+    candidates = NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([500, 500]))
+    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0), prior_steps=1e9)
+    dear_per_node = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05, 0.0, 0.0), prior_steps=1e9)
+    dear_per_step = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.05), prior_steps=1e9)
+    assert choose_nodes(candidates, cheap, 0.0, 0.05).keep.all()
+    for dear in (dear_per_node, dear_per_step):
+        np.testing.assert_array_equal(choose_nodes(candidates, dear, 0.0, 0.05).keep, main)
 
 
-def test_cost_model_learns_the_price_of_branching_trees():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
+def test_branches_over_long_contexts_cost_more():
+    """Tree attention reads a node's whole context: the row with the long context keeps its
+    main path only, the short one branches."""
+    parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
+    chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
+    main = main_paths(parents, np.full(2, 4))
+    model = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.004, 0.0, 0.0), prior_steps=1e9)
+    keep = choose_nodes(NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([100, 8000])),
+                        model, 0.0, 0.0).keep
+    assert keep[0].all()
+    np.testing.assert_array_equal(keep[1], main[1])
+
+
+def test_cost_model_learns_the_price_of_tree_attention():
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(3)
-    for _ in range(300):
-        reqs, extra, branching = int(rng.integers(1, 9)), int(rng.integers(0, 40)), int(rng.integers(0, 4))
-        model.observe(0.04 + 0.002 * reqs + 0.0015 * extra + 0.03 * branching, reqs, reqs + extra, branching)
-    assert model.per_branching_tree == pytest.approx(0.03, rel=0.15)  # the ridge pulls towards the prior
+    for _ in range(400):
+        reqs, extra = int(rng.integers(1, 9)), int(rng.integers(0, 40))
+        work = float(rng.integers(0, 3) * rng.uniform(0.0, 20.0))
+        seconds = 0.04 + 0.002 * reqs + 0.0015 * extra + 0.001 * work + 0.004 * (work > 0)
+        model.observe(seconds, reqs, reqs + extra, work)
+    assert model.per_tree_kilopair == pytest.approx(0.001, rel=0.15)
+    assert model.per_tree_step == pytest.approx(0.004, rel=0.35)  # the ridge pulls towards the prior (0)
 
 
 def test_cost_model_learns_what_a_sampled_draft_token_adds():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(4)
     for _ in range(300):
         reqs, extra = int(rng.integers(1, 9)), int(rng.integers(0, 40))
@@ -208,12 +231,12 @@ def test_nodes_of_sampling_requests_pay_for_their_dearer_verification():
     fewer nodes than the greedy rows, and none once verification is dear enough."""
     chance = chain_chances(0.6)
     samples = np.array([True, True, False, False])
-    dear = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.005), prior_steps=1e9)
-    choice = choose_nodes(chance, np.full(4, 8), 4, dear, draft_seconds=0.0, margin=0.0, samples=samples)
+    dear = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.005, 0.0), prior_steps=1e9)
+    choice = choose_nodes(NodeCandidates(chance, np.full(4, 8), 4, samples=samples), dear, 0.0, 0.0)
     kept = choice.keep.sum(axis=1)
     assert kept[2] == kept[3] > kept[0] == kept[1]
-    prohibitive = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.5), prior_steps=1e9)
-    choice = choose_nodes(chance, np.full(4, 8), 4, prohibitive, draft_seconds=0.0, margin=0.0, samples=samples)
+    prohibitive = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.5, 0.0), prior_steps=1e9)
+    choice = choose_nodes(NodeCandidates(chance, np.full(4, 8), 4, samples=samples), prohibitive, 0.0, 0.0)
     assert not choice.keep[:2].any() and choice.keep[2:].any()
 
 
@@ -230,16 +253,16 @@ def test_a_bucket_no_longer_drafted_drifts_back_to_its_prior():
 
 
 def test_searches_are_skipped_only_while_no_node_could_pay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0, 0.0, 0.0), prior_steps=1e9))
     # A verified token costs as much as a step's worth of tokens: no first node can pay.
     assert not budget.worth_searching(["a", "b"], 2).any()
-    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0), prior_steps=1e9)
+    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0), prior_steps=1e9)
     assert budget.worth_searching(["a", "b"], 2).all()
     assert budget.stats.skipped_rows == 2
 
 
 def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0, 0.0), prior_steps=1e9),
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0, 0.0, 0.0), prior_steps=1e9),
                            calibration=AcceptanceCalibration(decay_every=50))
     nodes = nodes_of(np.ones((1, 1)), np.full((1, 1), -1, np.int32), SOURCE_CONTEXT, 1)
     bucket = budget.calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
@@ -253,7 +276,7 @@ def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
 
 
 def test_a_slow_search_must_pay_for_itself():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0, 0.0), prior_steps=1e9))
     assert budget.worth_searching(["a"], 1).all()  # 0.5 prior chance vs a cheap token
     budget.search_seconds_per_row = 0.05  # a search takes as long as a step
     assert not budget.worth_searching(["a"], 1).any()

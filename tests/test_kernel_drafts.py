@@ -13,7 +13,7 @@ from vllm_retrieval_spec.kernels import context_ngram
 from vllm_retrieval_spec.kernels.draft_merge import conditional_probs, merge_drafts
 from vllm_retrieval_spec.kernels.draft_merge_reference import merge_drafts_reference
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
-from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
+from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, NgramDrafts, mixed_drafts
 
 from conftest import small_ngram_table
 
@@ -74,7 +74,7 @@ def test_rest_drafts_have_trees_only_with_top_k():
     tokens, lengths, rows = contexts()
     with_trees = rest_retrieve(None, tokens, lengths, rows, RestParams(top_k=4, chain_len=3, min_ratio=0.0))
     assert_chains(with_trees, [[7, 8, 5], []])
-    assert with_trees.tree(0) == ([7, 9, 5, 8], [-1, -1, 1, 0])
+    assert with_trees.tree(0) == ([7, 8, 9, 5], [-1, 0, -1, 2])  # depth-first: the main path 7, 8 first
     chains = rest_retrieve(None, tokens, lengths, rows, RestParams(top_k=0, chain_len=3, min_ratio=0.0))
     assert_chains(chains, [[7, 8, 5], []])
     assert chains.tree_tokens is None and chains.tree_parents is None and chains.tree_size is None
@@ -92,12 +92,11 @@ def test_context_ngram_drafts_chain_is_slot_zero():
 
 def test_ngram_drafts_build_trees_only_when_asked():
     tokens, lengths, rows = contexts()
-    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
-                          mixing="context-first")
+    strategy = MixedStrategy(num_drafts=3, draft_len=2, context_len=1, mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, strategy)
     assert_chains(drafts, [[9, 5], [3, 4]])
     assert drafts.tree_tokens is None
-    trees = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
-                         mixing="context-first", with_trees=True)
+    trees = mixed_drafts(small_ngram_table(), tokens, lengths, rows, strategy, with_trees=True)
     expected = merge_drafts_reference(trees.tokens, trees.lengths, trees.weights)
     assert all(np.array_equal(a, b) for a, b in zip((trees.tree_tokens, trees.tree_parents, trees.tree_size),
                                                      expected))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
+from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, NgramDrafts, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import (
     BIGRAM_PROBS,
     BIGRAM_TOKENS,
@@ -43,8 +43,7 @@ def as_rows(contexts):
 
 def test_context_first_then_bigram():
     tokens, lengths, rows = as_rows([[5, 7, 8, 5, 9, 5], [1, 2]])
-    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, num_drafts=3, draft_len=2, context_len=1,
-                          mixing="context-first")
+    drafts = mixed_drafts(small_ngram_table(), tokens, lengths, rows, MixedStrategy(3, 2, 1, "context-first"))
     assert drafts.from_context.tolist() == [2, 0]
     # row 0: context drafts after "5" (the most recent first on equal counts), then the bigram of 5
     assert drafts.tokens[0].tolist() == [[9, 5], [7, 8], [6, 7]]
@@ -56,10 +55,9 @@ def test_context_first_then_bigram():
 def test_mixing_policies():
     tokens, lengths, rows = as_rows([[5, 7, 5]])
     table = small_ngram_table()
-    sizes = {"num_drafts": 3, "draft_len": 2, "context_len": 1}
-    only_context = mixed_drafts(table, tokens, lengths, rows, **sizes, mixing="context-only")
+    only_context = mixed_drafts(table, tokens, lengths, rows, MixedStrategy(3, 2, 1, "context-only"))
     assert only_context.lengths[0].tolist() == [2, 0, 0]
-    only_bigram = mixed_drafts(table, tokens, lengths, rows, **sizes, mixing="bigram-only")
+    only_bigram = mixed_drafts(table, tokens, lengths, rows, MixedStrategy(3, 2, 1, "bigram-only"))
     assert only_bigram.tokens[0].tolist() == [[6, 7], [7, 8], [8, 9]]
 
 

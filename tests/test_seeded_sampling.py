@@ -11,12 +11,17 @@ other requests filled the output index; and through the OpenAI server.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from distributions import chi2_pvalue
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
-from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, accept_trees
+from vllm_retrieval_spec.evaluation.load import LoadRequest, LoadSettings, run_load_sync
+from vllm_retrieval_spec.evaluation.server import VllmServer
+from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, TreeBatch, accept_trees
 from vllm_retrieval_spec.kernels.tree_reference import counter_bits, keyed_uniform, splitmix64, target_row_reference
 
 from conftest import running_engine
@@ -32,12 +37,12 @@ def keyed_trials(scores: np.ndarray, sampling: RowSampling | None = None, seed_b
     """TRIALS one-tree requests, each with its own seed (and position)."""
     size = len(PARENTS)
     rng = np.random.default_rng(seed_base)
-    return accept_trees(
-        scores=np.tile(scores, (TRIALS, 1)), tokens=np.tile(np.array(TOKENS, np.int32), TRIALS),
-        parents=np.tile(np.array(PARENTS, np.int32), TRIALS),
+    batch = TreeBatch(
+        tokens=np.tile(np.array(TOKENS, np.int32), TRIALS), parents=np.tile(np.array(PARENTS, np.int32), TRIALS),
         offsets=np.arange(0, size * TRIALS + 1, size, dtype=np.int32),
         rules=np.full(TRIALS, AcceptRule.KEYED, np.int32), seeds=np.arange(TRIALS, dtype=np.uint64) + seed_base,
-        positions=rng.integers(0, 10_000, TRIALS), sampling=sampling)
+        positions=rng.integers(0, 10_000, TRIALS))
+    return accept_trees(np.tile(scores, (TRIALS, 1)), batch, sampling=sampling)
 
 
 def second_tokens(out) -> np.ndarray:
@@ -108,10 +113,11 @@ def rest_spec(model_dir, max_num_seqs: int = 32, proposer: str = "vllm_retrieval
                       additional_config={"retrieval_spec": {**FIXED, **options}}, max_num_seqs=max_num_seqs)
 
 
-def seeded_requests(prompts: list[str]) -> list[tuple[str, dict]]:
-    """200 (prompt, sampling) pairs: every setting, distinct seeds, prompts in turn."""
-    return [(prompts[i % len(prompts)], dict(setting, seed=1000 * s + i, max_tokens=MAX_TOKENS))
-            for s, setting in enumerate(SETTINGS) for i in range(PER_SETTING)]
+def seeded_requests(prompts: list[str], per_setting: int = PER_SETTING,
+                    max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict]]:
+    """(prompt, sampling) pairs: ``per_setting`` for every setting, distinct seeds, prompts in turn."""
+    return [(prompts[i % len(prompts)], dict(setting, seed=1000 * s + i, max_tokens=max_tokens))
+            for s, setting in enumerate(SETTINGS) for i in range(per_setting)]
 
 
 def run(llm, requests: list[tuple[str, dict]]) -> list[list[int]]:
@@ -158,9 +164,14 @@ def test_seeded_requests_repeat_across_configurations(model_dir, chain_tokens, r
             rest_spec(model_dir, proposer="vrs_test_proposers.NoDraftProposer"))
     with running_engine(spec) as llm:
         tokens = run(llm, requests)
-    differing = [i for i, (a, b) in enumerate(zip(chain_tokens["first"], tokens)) if a != b]
-    assert len(differing) <= len(tokens) // NUMERICAL_SHARE, (
-        f"{len(differing)} of {len(tokens)} seeded requests differ, first {differing[:5]}")
+    assert_nearly_all_equal(chain_tokens["first"], tokens)
+
+
+def assert_nearly_all_equal(expected: list[list[int]], actual: list[list[int]]) -> None:
+    """At most one request in NUMERICAL_SHARE differs (the batch shapes' rounding, above)."""
+    differing = [i for i, (a, b) in enumerate(zip(expected, actual)) if a != b]
+    assert len(differing) <= len(actual) // NUMERICAL_SHARE, (
+        f"{len(differing)} of {len(actual)} seeded requests differ, first {differing[:5]}")
 
 
 @pytest.mark.parametrize("feature", [dict(min_p=0.1), dict(logit_bias={5: 2.0})])
@@ -174,3 +185,64 @@ def test_seeded_requests_with_features_applied_at_some_positions_only_are_refuse
         refuse_unrepeatable_seeds(SamplingParams(temperature=0.7, seed=3, **feature))
     refuse_unrepeatable_seeds(SamplingParams(temperature=0.7, **feature))  # no seed: no promise
     refuse_unrepeatable_seeds(SamplingParams(temperature=0.7, seed=3, top_k=50, top_p=0.9, repetition_penalty=1.2))
+
+
+# ---- through the OpenAI server --------------------------------------------------------------
+
+SERVER_PER_SETTING = 3  # 12 requests
+SERVER_MAX_TOKENS = 24
+TESTS_DIR = str(Path(__file__).resolve().parent)
+OUTPUT_INDEX_DRAFTS = r'^vllm_retrieval_spec:draft_tokens_total{[^}]*source="output_index"[^}]*} ([0-9.e+]+)$'
+
+
+def server_of(spec: EngineSpec) -> VllmServer:
+    """An OpenAI server with ``spec``'s speculation and ``tests/`` on its path (test proposers)."""
+    return VllmServer(spec.model, speculative_config=spec.speculative_config,
+                      additional_config=spec.additional_config, extra_args=["--max-num-seqs", str(spec.max_num_seqs)],
+                      env={"PYTHONPATH": TESTS_DIR})
+
+
+def served(server: VllmServer, requests: list[tuple[str, dict]], concurrency: int) -> list[list[int]]:
+    """The output token ids (``return_token_ids``) of completion requests, in request order."""
+    load = [LoadRequest(prompt, max_tokens=sampling["max_tokens"],
+                        sampling={k: v for k, v in sampling.items() if k != "max_tokens"})
+            for prompt, sampling in requests]
+    run = run_load_sync(server.base_url, load, LoadSettings(server.served_model_name, concurrency, stream=False),
+                        progress=False)
+    assert all(r.ok and r.token_ids for r in run.results), [r.error for r in run.results]
+    return [r.token_ids for r in run.results]
+
+
+def output_index_drafts(server: VllmServer) -> float:
+    """Draft tokens the server's REST drafter took from its output index so far."""
+    return sum(float(v) for v in re.findall(OUTPUT_INDEX_DRAFTS, server.metrics_text(), flags=re.M))
+
+
+@pytest.mark.server
+def test_seeded_requests_repeat_through_the_openai_server(model_dir, e2e_prompts):
+    """REST K = 8 chains: all at once, one at a time, and all at once again after other requests
+    filled the output index; against a server whose proposer drafts nothing."""
+    server_requests = seeded_requests(e2e_prompts[:6], SERVER_PER_SETTING, SERVER_MAX_TOKENS)
+    with server_of(rest_spec(model_dir)) as server:
+        first = served(server, server_requests, len(server_requests))
+        alone = served(server, server_requests, 1)
+        served(server, [(p, dict(temperature=0.8, max_tokens=16)) for p in e2e_prompts], 8)
+        before = output_index_drafts(server)
+        after = served(server, server_requests, len(server_requests))
+        assert output_index_drafts(server) > before  # the output index drafted
+        assert server.spec_decode_counters().accepted_tokens > 0
+    with server_of(rest_spec(model_dir, proposer="vrs_test_proposers.NoDraftProposer")) as server:
+        undrafted = served(server, server_requests, len(server_requests))
+    assert alone == first
+    assert after == first
+    assert_nearly_all_equal(undrafted, first)
+
+
+def test_generate_gives_each_prompt_its_seed():
+    from vllm_retrieval_spec.evaluation.engine import request_params
+
+    params = request_params(3, 8, [5, 6, 7], {"temperature": 0.7, "top_p": 0.9})
+    assert [(p.seed, p.temperature, p.top_p, p.max_tokens) for p in params] == [(s, 0.7, 0.9, 8) for s in (5, 6, 7)]
+    assert [p.temperature for p in request_params(2, 8, None, {})] == [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"seeds: give one per prompt \(1 for 2\)"):
+        request_params(2, 8, [5], {"temperature": 0.7})

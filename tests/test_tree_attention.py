@@ -93,12 +93,15 @@ class Batch:
         return int(self.blocks[row, position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
 
     def reference_rows(self, window: int = 0) -> dict[int, torch.Tensor]:
-        """Dense attention of every draft node over its context, ancestors and itself (the
-        last ``window`` of those keys with a sliding window)."""
+        """Dense attention of every draft node the kernel recomputes over its context, ancestors
+        and itself (the last ``window`` of those keys with a sliding window): not the tree's
+        leading chain, whose causal rows already see exactly their ancestors."""
         expected = {}
         for tree, start, (ctx_k, ctx_v) in zip(self.trees, self.starts, self.context_kv):
             for node in range(len(tree.tokens)):
                 flat = start + 1 + node
+                if ancestors_or_self(tree, node) == list(range(node + 1)):
+                    continue  # the backend's causal row is this node's tree row
                 seen = [start + 1 + j for j in ancestors_or_self(tree, node)]
                 k = torch.cat([ctx_k, self.key[seen].view(-1, KV_HEADS, HEAD_SIZE)])[-window:]
                 v = torch.cat([ctx_v, self.value[seen].view(-1, KV_HEADS, HEAD_SIZE)])[-window:]
@@ -117,11 +120,11 @@ def test_tree_rows_match_dense_attention(layout, device):
     nodes = TreeNodes.build(batch.plan, batch.context_lens, batch.blocks.to(device))
     apply_tree_attention(batch.impl, batch.query.to(device), batch.cache.to(device), layout, output, nodes)
     output, expected = output.cpu(), batch.reference_rows()
-    assert len(expected) == 8
+    assert len(expected) == 5  # 8 nodes, 3 of them on their tree's leading chain
     for flat in range(batch.num_tokens):
         if flat in expected:
             torch.testing.assert_close(output[flat], expected[flat], rtol=1e-5, atol=1e-5)
-        else:  # roots keep what the backend computed
+        else:  # roots and leading chains keep what the backend computed
             assert torch.equal(output[flat], torch.full((HEADS * HEAD_SIZE,), 7.0))
 
 
@@ -372,3 +375,13 @@ def test_kernel_refuses_blocks_and_positions_outside_the_cache(layout):
         run(node_row=inputs["node_row"] + len(out))
     with pytest.raises(ValueError, match="contiguous rows"):
         run(query=inputs["query"].t())
+
+
+def test_only_nodes_after_the_leading_chain_are_recomputed():
+    """A node whose earlier tree nodes are all its ancestors sees exactly them under the causal
+    mask; every node from the first one off that chain on is recomputed."""
+    trees = [DraftTree((1, 2, 3, 4, 5), (-1, 0, 1, 0, 3)), DraftTree((), ()), DraftTree((6, 7), (-1, -1)),
+             DraftTree((8, 9), (-1, 0))]
+    plan = TreeStepPlan.build(trees, np.array([0, 6, 7, 10]))
+    assert plan.off_chain.tolist() == [False, False, False, True, True, False, True, False, False]
+    assert plan.branching.tolist() == [True, False, True, False]

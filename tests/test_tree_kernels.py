@@ -13,6 +13,7 @@ from vllm_retrieval_spec.kernels.tree import (
     AcceptRule,
     RowSampling,
     SparseDraft,
+    TreeBatch,
     accept_trees,
     pack_tree_masks,
     target_distributions,
@@ -107,6 +108,17 @@ def assert_same_acceptance(got, expected) -> None:
         assert np.array_equal(getattr(got, name), getattr(expected, name)), name
 
 
+TREE_FIELDS = ("tokens", "parents", "offsets", "rules", "seeds", "positions")
+
+
+def verify(kernel, batch: dict, **changes):
+    """``kernel`` (:func:`accept_trees` or its reference) on a flat test batch with ``changes``:
+    the tree fields make its :class:`TreeBatch`, the others stay keywords."""
+    args = batch | changes
+    trees = TreeBatch(**{name: args.pop(name) for name in TREE_FIELDS if name in args})
+    return kernel(args.pop("scores"), trees, **args)
+
+
 # ---- uniforms and canonical sums ------------------------------------------------------------
 
 
@@ -174,9 +186,9 @@ def test_accept_matches_reference_on_random_batches(seed):
     vocab = int(rng.choice([7, 50, 1000]))
     trees = random_trees(rng, int(rng.integers(1, 9)), int(rng.choice([4, 16, 40])))
     batch = random_batch(rng, vocab, trees)
-    expected = accept_trees_reference(**batch)
+    expected = verify(accept_trees_reference, batch)
     for threads in (1, 4):
-        assert_same_acceptance(accept_trees(**batch, num_threads=threads), expected)
+        assert_same_acceptance(verify(accept_trees, batch, num_threads=threads), expected)
 
 
 @pytest.mark.parametrize("rule", list(AcceptRule))
@@ -185,8 +197,8 @@ def test_accept_matches_reference_per_rule_on_extreme_shapes(rule, shape):
     rng = np.random.default_rng(100 * int(rule) + len(shape))
     trees = [tree_parents(rng, 64, shape) for _ in range(6)] + [[]]
     batch = random_batch(rng, 50, trees, rules=[int(rule)] * len(trees))
-    expected = accept_trees_reference(**batch)
-    assert_same_acceptance(accept_trees(**batch), expected)
+    expected = verify(accept_trees_reference, batch)
+    assert_same_acceptance(verify(accept_trees, batch), expected)
     assert expected.num_accepted[-1] == 0 and expected.out_tokens[-1, 0] >= 0  # empty tree
 
 
@@ -199,23 +211,23 @@ def test_duplicate_siblings_and_q_equal_p(rule):
     batch = random_batch(rng, vocab, trees, rules=[int(rule)] * len(trees))
     batch["tokens"] = np.tile(np.array([2, 2, 5, 1, 1, 1], np.int32), len(trees))
     batch["draft_probs"][::3] = batch["scores"][::3]
-    assert_same_acceptance(accept_trees(**batch), accept_trees_reference(**batch))
+    assert_same_acceptance(verify(accept_trees, batch), verify(accept_trees_reference, batch))
 
 
 def test_out_width_cuts_trees():
     rng = np.random.default_rng(5)
     trees = [list(range(-1, 69))] * 4
     batch = random_batch(rng, 50, trees, rules=[0, 1, 2, 3])
-    assert accept_trees(**batch).out_tokens.shape == (4, 71)  # default: deepest tree + 1
+    assert verify(accept_trees, batch).out_tokens.shape == (4, 71)  # default: deepest tree + 1
     for width in (1, 2, 5, 80):
-        got = accept_trees(**batch, out_width=width)
+        got = verify(accept_trees, batch, out_width=width)
         assert got.out_tokens.shape == (4, width) and got.path_nodes.shape == (4, width - 1)
         assert (got.num_accepted <= width - 1).all()
-        assert_same_acceptance(got, accept_trees_reference(**batch, out_width=width))
+        assert_same_acceptance(got, verify(accept_trees_reference, batch, out_width=width))
 
 
 def test_empty_batch():
-    got = accept_trees(np.zeros((0, 5), np.float32), [], [], [0], [], np.zeros(0, np.uint64))
+    got = accept_trees(np.zeros((0, 5), np.float32), TreeBatch([], [], [0], [], np.zeros(0, np.uint64)))
     assert got.out_tokens.shape == (0, 1) and got.num_accepted.shape == (0,)
 
 
@@ -224,10 +236,10 @@ def test_greedy_known_answer():
     scores = np.zeros((4, 6), np.float32)
     scores[0, [3, 4]] = [1, 2]
     scores[1, [1, 2]] = [5, 5]  # tie between 1 and 2 goes to 1
-    got = accept_trees(scores, [4, 2, 3], [-1, 0, -1], [0, 3], [0], [0])
+    got = accept_trees(scores, TreeBatch([4, 2, 3], [-1, 0, -1], [0, 3], [0], [0]))
     assert got.tokens(0) == [4, 1] and got.path_nodes.tolist() == [[0, -1]]
     scores[1, 1] = 0
-    got = accept_trees(scores, [4, 2, 3], [-1, 0, -1], [0, 3], [0], [0])
+    got = accept_trees(scores, TreeBatch([4, 2, 3], [-1, 0, -1], [0, 3], [0], [0]))
     assert got.tokens(0) == [4, 2, 0] and got.path_nodes.tolist() == [[0, 1]]
 
 
@@ -236,17 +248,17 @@ def test_sampled_rules_accept_certain_candidates():
     p = np.zeros((3, 5), np.float32)
     p[:, 3] = 1.0
     for rule in (1, 2, 3):
-        got = accept_trees(p, [3, 3], [-1, 0], [0, 2], [rule], [rule], draft_probs=p)
+        got = accept_trees(p, TreeBatch([3, 3], [-1, 0], [0, 2], [rule], [rule]), draft_probs=p)
         assert got.tokens(0) == [3, 3, 3]
-        got = accept_trees(p, [1, 3], [-1, 0], [0, 2], [rule], [rule], draft_probs=p)
+        got = accept_trees(p, TreeBatch([1, 3], [-1, 0], [0, 2], [rule], [rule]), draft_probs=p)
         assert got.tokens(0) == [3]
 
 
 def test_all_zero_probabilities_emit_minus_one():
     scores = np.zeros((2, 4), np.float32)
-    got = accept_trees(scores, [1], [-1], [0, 1], [1], [0])
+    got = accept_trees(scores, TreeBatch([1], [-1], [0, 1], [1], [0]))
     assert got.tokens(0) == [-1]
-    assert accept_trees_reference(scores, [1], [-1], [0, 1], [1], [0]).tokens(0) == [-1]
+    assert accept_trees_reference(scores, TreeBatch([1], [-1], [0, 1], [1], [0])).tokens(0) == [-1]
 
 
 @pytest.mark.parametrize(
@@ -269,7 +281,7 @@ def test_bad_inputs_are_rejected(change, message):
     args = dict(scores=np.ones((4, 5), np.float32), tokens=[0, 1, 2], parents=[-1, 0, 0],
                 offsets=[0, 3], rules=[0], seeds=[0]) | change
     with pytest.raises(ValueError, match=message):
-        accept_trees(**args)
+        verify(accept_trees, args)
 
 
 def test_bad_trees_are_rejected_by_packing():
@@ -314,9 +326,9 @@ def test_cuda_kernels_match_cpu(seed):
     vocab = int(rng.choice([7, 50, 1000, 40000]))
     trees = random_trees(rng, int(rng.integers(1, 12)), int(rng.choice([4, 16, 64])))
     batch = random_batch(rng, vocab, trees)
-    expected = accept_trees(**batch)
+    expected = verify(accept_trees, batch)
     on_gpu = {k: torch.from_numpy(np.asarray(v)).cuda() for k, v in batch.items()}
-    got = accept_trees(**on_gpu)
+    got = verify(accept_trees, on_gpu)
     for name in ("out_tokens", "path_nodes", "num_accepted"):
         assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
     masks = pack_tree_masks(on_gpu["parents"], on_gpu["offsets"], 64)
@@ -423,9 +435,9 @@ def lazy_batch(seed: int, vocab: int, sparse: bool, max_size: int = 12) -> dict:
        sparse=st.booleans())
 def test_lazy_rows_match_reference(seed, vocab, sparse):
     batch = lazy_batch(seed, vocab, sparse)
-    expected = accept_trees_reference(**batch)
+    expected = verify(accept_trees_reference, batch)
     for threads in (1, 3):
-        assert_same_acceptance(accept_trees(**batch, num_threads=threads), expected)
+        assert_same_acceptance(verify(accept_trees, batch, num_threads=threads), expected)
 
 
 @settings(max_examples=60, deadline=None)
@@ -438,10 +450,10 @@ def test_sparse_draft_rows_equal_their_dense_rows(seed, vocab):
             batch["scores"] = np.stack([probability_row(np.random.default_rng(seed + r), vocab)
                                         for r in range(len(batch["scores"]))])
         args = batch | dict(sampling=sampling)
-        sparse_result = accept_trees(**args)
-        dense_result = accept_trees(**(args | dict(draft=None, draft_probs=dense)))
+        sparse_result = verify(accept_trees, args)
+        dense_result = verify(accept_trees, args, draft=None, draft_probs=dense)
         assert_same_acceptance(sparse_result, dense_result)
-        assert_same_acceptance(sparse_result, accept_trees_reference(**args))
+        assert_same_acceptance(sparse_result, verify(accept_trees_reference, args))
 
 
 @settings(max_examples=60, deadline=None)
@@ -458,8 +470,8 @@ def test_lazy_rows_are_the_old_path_on_the_target_rows(seed, vocab, sparse):
     greedy_rows = np.repeat(batch["rules"] == AcceptRule.GREEDY, counts)
     targets = target_distributions_reference(batch["scores"], per_row)
     rows = np.where(greedy_rows[:, None], batch["scores"].astype(np.float64), targets)
-    old_path = accept_trees_reference(**(batch | dict(scores=rows, sampling=None)))
-    assert_same_acceptance(accept_trees(**batch), old_path)
+    old_path = verify(accept_trees_reference, batch, scores=rows, sampling=None)
+    assert_same_acceptance(verify(accept_trees, batch), old_path)
 
 
 def test_lazy_rows_are_the_old_kernel_on_exact_target_rows():
@@ -480,10 +492,10 @@ def test_lazy_rows_are_the_old_kernel_on_exact_target_rows():
     assert set(np.unique(targets)) <= {0.0, 1.0}
     tokens = np.array([rng.choice(np.flatnonzero(targets[o + b + p + 1]))
                        for b, tree in enumerate(trees) for o in [offsets[b]] for p in tree], np.int32)
-    args = dict(tokens=tokens, parents=parents, offsets=offsets,
-                rules=np.ones(len(trees), np.int32), seeds=np.arange(len(trees), dtype=np.uint64))
-    lazy = accept_trees(scores, **args, sampling=sampling)
-    assert_same_acceptance(lazy, accept_trees(targets.astype(np.float32), **args))
+    batch = TreeBatch(tokens, parents, offsets, np.ones(len(trees), np.int32),
+                      np.arange(len(trees), dtype=np.uint64))
+    lazy = accept_trees(scores, batch, sampling=sampling)
+    assert_same_acceptance(lazy, accept_trees(targets.astype(np.float32), batch))
     assert lazy.num_accepted.max() >= 2  # walks go past the root
 
 
@@ -580,14 +592,14 @@ def test_bad_sampling_and_sparse_drafts_are_rejected(change, message):
     args = dict(scores=np.ones((4, 5), np.float32), tokens=[0, 1, 2], parents=[-1, 0, 0],
                 offsets=[0, 3], rules=[1], seeds=[0]) | change
     with pytest.raises(ValueError, match=message):
-        accept_trees(**args)
+        verify(accept_trees, args)
 
 
 def test_greedy_requests_ignore_sampling():
     rng = np.random.default_rng(3)
     batch = random_batch(rng, 50, [list(range(-1, 9))] * 5, rules=[0] * 5)
     sampling = RowSampling(np.zeros(5, np.float32), np.ones(5, np.int32), np.full(5, 0.1, np.float32))
-    assert_same_acceptance(accept_trees(**batch, sampling=sampling), accept_trees(**batch))
+    assert_same_acceptance(verify(accept_trees, batch, sampling=sampling), verify(accept_trees, batch))
 
 
 def test_extension_checks_sampling_and_sparse_shapes():
@@ -615,7 +627,7 @@ def on_cuda(value):
 
 def assert_cuda_walks_match(batch: dict, expected) -> None:
     """``accept_trees`` on CUDA copies of ``batch`` walks exactly as ``expected`` (the CPU's)."""
-    got = accept_trees(**{k: on_cuda(v) for k, v in batch.items()})
+    got = verify(accept_trees, {k: on_cuda(v) for k, v in batch.items()})
     for name in ("out_tokens", "path_nodes", "num_accepted"):
         assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
 
@@ -625,7 +637,7 @@ def assert_cuda_walks_match(batch: dict, expected) -> None:
 def test_cuda_lazy_and_sparse_rows_match_cpu(seed):
     vocab = [7, 50, 1100, 40000][seed % 4]
     batch = lazy_batch(3000 + seed, vocab, sparse=seed % 2 == 1)
-    expected = accept_trees(**batch)
+    expected = verify(accept_trees, batch)
 
     assert_cuda_walks_match(batch, expected)
     logits = batch["scores"][: len(batch["rules"])]
@@ -656,9 +668,9 @@ def keyed_batch(seed: int, vocab: int, lazy: bool) -> dict:
 @given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([1, 7, 50, 1100]), lazy=st.booleans())
 def test_keyed_rule_matches_reference(seed, vocab, lazy):
     batch = keyed_batch(seed, vocab, lazy)
-    expected = accept_trees_reference(**batch)
+    expected = verify(accept_trees_reference, batch)
     for threads in (1, 3):
-        assert_same_acceptance(accept_trees(**batch, num_threads=threads), expected)
+        assert_same_acceptance(verify(accept_trees, batch, num_threads=threads), expected)
 
 
 def test_keyed_rule_emits_the_no_draft_tokens_whatever_was_drafted():
@@ -673,9 +685,9 @@ def test_keyed_rule_emits_the_no_draft_tokens_whatever_was_drafted():
 
     def run(tokens: list[int], parents: list[int]):
         rows = np.stack([root] + [child if t == first else probability_row(rng, vocab) for t in tokens])
-        return accept_trees(rows, np.array(tokens, np.int32), np.array(parents, np.int32),
-                            np.array([0, len(tokens)], np.int32), [AcceptRule.KEYED], [seed],
-                            positions=[position], out_width=3)
+        batch = TreeBatch(np.array(tokens, np.int32), np.array(parents, np.int32),
+                          np.array([0, len(tokens)], np.int32), [AcceptRule.KEYED], [seed], positions=[position])
+        return accept_trees(rows, batch, out_width=3)
 
     assert run([], []).tokens(0) == [first]
     assert run(others, [-1, -1, -1]).tokens(0) == [first]
@@ -689,11 +701,11 @@ def test_keyed_rule_needs_positions():
     batch = keyed_batch(5, 50, lazy=False)
     batch["rules"][0] = AcceptRule.KEYED
     with pytest.raises(ValueError, match=r"positions .* is required by AcceptRule\.KEYED"):
-        accept_trees(**(batch | dict(positions=None)))
+        verify(accept_trees, batch, positions=None)
     with pytest.raises(ValueError, match="positions must have one entry per request"):
-        accept_trees(**(batch | dict(positions=np.zeros(len(batch["rules"]) + 1, np.int64))))
+        verify(accept_trees, batch, positions=np.zeros(len(batch["rules"]) + 1, np.int64))
     with pytest.raises(ValueError, match=r"positions\[0\] = -1 must be >= 0"):
-        accept_trees(**(batch | dict(positions=np.full(len(batch["rules"]), -1, np.int64))))
+        verify(accept_trees, batch, positions=np.full(len(batch["rules"]), -1, np.int64))
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
@@ -701,6 +713,6 @@ def test_keyed_rule_needs_positions():
 def test_cuda_keyed_rule_matches_cpu(seed):
     vocab = [7, 50, 1100, 40000][seed % 4]
     batch = keyed_batch(4000 + seed, vocab, lazy=seed % 2 == 1)
-    expected = accept_trees(**batch)
+    expected = verify(accept_trees, batch)
 
     assert_cuda_walks_match(batch, expected)

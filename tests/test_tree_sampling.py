@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from distributions import chi2_pvalue, chi2_sf
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, SparseDraft, accept_trees
+from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, SparseDraft, TreeBatch, accept_trees
 from vllm_retrieval_spec.kernels.tree_reference import target_row_reference
 
 TRIALS = 20000
@@ -49,15 +49,19 @@ def run_trials(rule: AcceptRule, seed: int, verify_as: AcceptRule | None = None)
     rng = np.random.default_rng(seed)
     rows = np.stack([P_ROOT, P_CHILD, P_CHILD, P_CHILD, P_ROOT, P_ROOT]).astype(np.float32)
     drafts = np.stack([Q_ROOT, Q_CHILD, Q_CHILD, Q_CHILD, Q_CHILD, Q_CHILD]).astype(np.float32)
+    batch = trial_batch(draft_tokens(rule, rng), rule if verify_as is None else verify_as, rng)
+    return accept_trees(np.tile(rows, (TRIALS, 1)), batch, draft_probs=np.tile(drafts, (TRIALS, 1)))
+
+
+def trial_batch(tokens: np.ndarray, rule: AcceptRule, rng: np.random.Generator) -> TreeBatch:
+    """TRIALS trees of PARENTS' shape carrying ``tokens``, verified with ``rule``, seeds from ``rng``."""
     size = len(PARENTS)
-    return accept_trees(
-        scores=np.tile(rows, (TRIALS, 1)),
-        tokens=draft_tokens(rule, rng),
+    return TreeBatch(
+        tokens=tokens,
         parents=np.tile(np.array(PARENTS, np.int32), TRIALS),
         offsets=np.arange(0, size * TRIALS + 1, size, dtype=np.int32),
-        rules=np.full(TRIALS, int(rule if verify_as is None else verify_as), np.int32),
+        rules=np.full(TRIALS, int(rule), np.int32),
         seeds=rng.integers(0, 2**63, TRIALS, dtype=np.uint64),
-        draft_probs=np.tile(drafts, (TRIALS, 1)),
     )
 
 
@@ -124,7 +128,6 @@ def sparse_draws(rng: np.random.Generator, tokens: list[int], probs: list[float]
 def run_lazy_trials(rule: AcceptRule, seed: int):
     rng = np.random.default_rng(seed)
     rows = np.stack([LOGITS_ROOT, LOGITS_CHILD, LOGITS_CHILD, LOGITS_CHILD, LOGITS_ROOT, LOGITS_ROOT])
-    size = len(PARENTS)
     draft = None
     if rule == AcceptRule.CANDIDATES:
         tokens = np.tile(np.array(LAZY_FIXED_TOKENS, np.int32), TRIALS)
@@ -137,12 +140,8 @@ def run_lazy_trials(rule: AcceptRule, seed: int):
         q_probs = np.array([Q_ROOT_PROBS, Q_CHILD_PROBS] + [[1.0] * len(padding)] * 4, np.float32)
         draft = SparseDraft(np.tile(q_tokens, (TRIALS, 1)), np.tile(q_probs, (TRIALS, 1)))
     return accept_trees(
-        scores=np.tile(rows, (TRIALS, 1)),
-        tokens=tokens,
-        parents=np.tile(np.array(PARENTS, np.int32), TRIALS),
-        offsets=np.arange(0, size * TRIALS + 1, size, dtype=np.int32),
-        rules=np.full(TRIALS, int(rule), np.int32),
-        seeds=rng.integers(0, 2**63, TRIALS, dtype=np.uint64),
+        np.tile(rows, (TRIALS, 1)),
+        trial_batch(tokens, rule, rng),
         sampling=RowSampling(*(np.full(TRIALS, LAZY[name], dtype)
                                for name, dtype in (("temperature", np.float32), ("top_k", np.int32),
                                                    ("top_p", np.float32)))),

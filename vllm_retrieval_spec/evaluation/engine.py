@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord, SpecDecodeCounters
 
 if TYPE_CHECKING:
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     from vllm_retrieval_spec.proposers.base import DraftProposer
 
@@ -97,20 +97,30 @@ class GenerationRun:
 _request_ids = itertools.count()
 
 
-def generate(
-    llm: LLM, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, **sampling: Any
-) -> GenerationRun:
-    """Generate with at most ``concurrency`` requests in flight (1 = batch 1), counting for
-    every request the engine steps that gave it new tokens after its prefill."""
+def request_params(
+    count: int, max_tokens: int, seeds: Sequence[int] | None, sampling: Mapping[str, Any]
+) -> list[SamplingParams]:
+    """Each request's sampling parameters: ``sampling`` (greedy unless it sets a temperature),
+    with request ``i`` seeded by ``seeds[i]`` when given."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=sampling.pop("temperature", 0.0),
-        output_kind=RequestOutputKind.DELTA,
-        **sampling,
-    )
+    if seeds is not None and (len(seeds) != count or "seed" in sampling):
+        raise ValueError(f"seeds: give one per prompt ({len(seeds)} for {count}) and no seed= beside them")
+    shared = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA}
+    if seeds is None:
+        return [SamplingParams(**shared)] * count
+    return [SamplingParams(**shared, seed=seed) for seed in seeds]
+
+
+def generate(
+    llm: LLM, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, seeds: Sequence[int] | None = None,
+    **sampling: Any,
+) -> GenerationRun:
+    """Generate with at most ``concurrency`` requests in flight (1 = batch 1), counting for
+    every request the engine steps that gave it new tokens after its prefill; with ``seeds``,
+    prompt ``i`` samples with seed ``seeds[i]``."""
+    params = request_params(len(prompts), max_tokens, seeds, sampling)
     engine = llm.llm_engine
     pending = list(enumerate(prompts))[::-1]
     by_id: dict[str, dict[str, Any]] = {}
@@ -122,7 +132,7 @@ def generate(
             index, prompt = pending.pop()
             request_id = f"vrs-{next(_request_ids)}"
             by_id[request_id] = {"index": index, "prompt_ids": None, "output": [], "steps": 0}
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params[index])
             in_flight += 1
         for output in engine.step():
             state = by_id[output.request_id]

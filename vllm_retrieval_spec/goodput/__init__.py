@@ -7,7 +7,7 @@ Owned by the runner's :class:`~vllm_retrieval_spec.verification.session.SpecSess
 
 from vllm_retrieval_spec.goodput.budget import BudgetStats, GoodputBudget
 from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
-from vllm_retrieval_spec.goodput.chooser import Choice, choose_nodes
+from vllm_retrieval_spec.goodput.chooser import Choice, NodeCandidates, choose_nodes
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "BudgetStats",
     "Choice",
     "GoodputBudget",
+    "NodeCandidates",
     "StepCostModel",
     "choose_nodes",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 
 from vllm_retrieval_spec.drafts import DraftNodes, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration
-from vllm_retrieval_spec.goodput.chooser import choose_nodes, main_paths
+from vllm_retrieval_spec.goodput.chooser import NodeCandidates, choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 from vllm_retrieval_spec.goodput.paths import fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
@@ -184,9 +184,11 @@ class GoodputBudget:
         return worth
 
     def choose(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
-               draft_seconds: float, trees: bool = False, samples: np.ndarray | None = None) -> np.ndarray:
+               draft_seconds: float, trees: bool = False, samples: np.ndarray | None = None,
+               context_tokens: np.ndarray | None = None) -> np.ndarray:
         """The candidate nodes to verify (``[rows, N]`` mask, closed under parents); ``trees``:
-        the nodes form trees that may branch; ``samples``: the rows whose requests sample."""
+        the nodes form trees that may branch; ``samples``: the rows whose requests sample;
+        ``context_tokens``: each row's tokens so far (what tree attention reads per node)."""
         if self.clock is not None:  # the first rank's drafting time, before anything reads it
             draft_seconds = self.clock.shared(draft_seconds)
         width = nodes.width
@@ -198,9 +200,9 @@ class GoodputBudget:
         chance = np.where(valid, chance, 0.0)
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
-        main_path = main_paths(nodes.parents, nodes.size) if trees else None
-        choice = choose_nodes(path_products(chance, nodes.parents), budgets, num_reqs, self.cost,
-                              draft_seconds, self.margin, main_path, samples)
+        candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
+                                    main_paths(nodes.parents, nodes.size) if trees else None, samples, context_tokens)
+        choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
         self.calibration.tick()
         self.stats.steps += 1
         self.stats.drafting_seconds += draft_seconds
@@ -217,12 +219,12 @@ class GoodputBudget:
 
     def log_summary(self) -> None:
         """The learned step cost and what the budget kept and saw accepted (logged periodically)."""
-        a, b, c, d, e = (1000 * x for x in self.cost.coefficients)
+        a, b, c, d, e, f = (1000 * x for x in self.cost.coefficients)
         stats = self.stats
         logger.info(
-            "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.1f ms/branching tree + "
-            "%.3f ms/sampled draft token; kept %d of %d candidate nodes over %d steps (%d drafted), %d of %d "
-            "observed nodes accepted, %d searches skipped", a, b, c, d, e,
+            "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.3f ms/thousand tree-attention "
+            "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step; kept %d of %d candidate nodes "
+            "over %d steps (%d drafted), %d of %d observed nodes accepted, %d searches skipped", a, b, c, d, e, f,
             stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps, stats.accepted_nodes,
             stats.observed_nodes, stats.skipped_rows,
         )

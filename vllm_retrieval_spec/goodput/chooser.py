@@ -2,19 +2,20 @@
 expected tokens per second.
 
 With ``B`` requests in the step and nodes sorted by their chance of being accepted per second
-of verification (a node's chance is below its parent's and a row's nodes cost alike, so any
+of verification (a node's chance is below its parent's and costs never fall along a path, so any
 prefix of that order is a forest of whole paths), verifying the best ``b`` yields ``B + S_b``
-tokens in ``t(B, B + b) + drafting`` seconds. The
-chooser takes the ``b`` with the highest rate, and none unless it beats not speculating
-(``B / t(B, B)``) by ``margin``. In tree mode, branching costs extra (tree attention and KV
-compaction): the best selection restricted to each row's main path competes with the best
-unrestricted one, which pays the learned cost of each branching row. A node of a request that
-samples (temperature > 0) also pays the learned extra cost of a sampled draft token.
+tokens in ``t(B, B + b) + drafting`` seconds. The chooser takes the ``b`` with the highest rate,
+and none unless it beats not speculating (``B / t(B, B)``) by ``margin``. In tree mode a node
+off its row's main path (the chain through first children, which trees lay out first) also pays
+tree attention over its request's context, and a step with any such node pays the learned cost
+of a tree step once: the best selection of main-path nodes only competes with the best of all
+nodes. A node of a request that samples (temperature > 0) also pays the learned extra cost of a
+sampled draft token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,29 +32,41 @@ class Choice:
     threshold: float  # the chance below which a node did not pay this step
 
 
-def choose_nodes(path_chance: np.ndarray, budgets: np.ndarray, num_reqs: int, cost: StepCostModel,
-                 draft_seconds: float, margin: float, main_path: np.ndarray | None = None,
-                 samples: np.ndarray | None = None) -> Choice:
-    """``path_chance`` ``[rows, N]`` (0 for no node), at most ``budgets[i]`` nodes for row ``i``;
-    ``samples[i]``: row ``i``'s request samples (its nodes cost more to verify).
+@dataclass(frozen=True)
+class NodeCandidates:
+    """One step's candidate nodes, as the chooser weighs them."""
 
-    With ``main_path`` (tree mode: each row's chain through first children), the best
-    selection of main-path nodes only competes with the best of all nodes, which pays the
-    cost model's price of every row whose kept nodes branch off its main path.
-    """
-    samples = np.zeros(len(path_chance), bool) if samples is None else np.asarray(samples, bool)
-    best = _best_prefix(path_chance, budgets, num_reqs, cost, draft_seconds, samples)
-    if main_path is not None and best.keep.any():
-        branching = int((best.keep & ~main_path).any(axis=1).sum())
-        if branching:
-            seconds = best.expected_seconds + branching * cost.per_branching_tree
-            tree = Choice(best.keep, best.expected_tokens, seconds, 0.0)
-            chain = _best_prefix(np.where(main_path, path_chance, 0.0), budgets, num_reqs, cost, draft_seconds,
-                                 samples)
-            best = tree if _rate(tree) > _rate(chain) else chain
-    baseline = num_reqs / max(float(cost.predict(num_reqs, num_reqs)), 1e-9)
-    if _rate(best) < (1.0 + margin) * baseline:
-        best = Choice(np.zeros_like(best.keep), float(num_reqs), float(cost.predict(num_reqs, num_reqs)), 0.0)
+    path_chance: np.ndarray  # [rows, N]: each node's chance of being accepted (0: no node)
+    budgets: np.ndarray  # [rows]: at most this many nodes per row
+    num_reqs: int  # requests in the step (rows without candidates included)
+    main_path: np.ndarray | None = None  # [rows, N] (tree mode): each row's chain through first children
+    samples: np.ndarray | None = None  # [rows] bool: the row's request samples
+    context_tokens: np.ndarray | None = None  # [rows]: the tokens tree attention reads per off-path node
+
+    def restricted_to_main_paths(self) -> NodeCandidates:
+        return replace(self, path_chance=np.where(self.main_path, self.path_chance, 0.0))
+
+    def tree_work(self) -> np.ndarray:
+        """``[rows, N]``: thousands of node-context pairs tree attention recomputes per node."""
+        if self.main_path is None or self.context_tokens is None:
+            return np.zeros(self.path_chance.shape)
+        return ~self.main_path * (np.asarray(self.context_tokens, np.float64)[:, None] / 1000.0)
+
+    def sampled(self) -> np.ndarray:
+        return np.zeros(len(self.path_chance), bool) if self.samples is None else np.asarray(self.samples, bool)
+
+
+def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float, margin: float) -> Choice:
+    """The nodes (at most ``budgets[i]`` for row ``i``) of the best expected rate, or none when
+    not speculating is within ``margin`` of it."""
+    num_reqs = candidates.num_reqs
+    best = _best_prefix(candidates, cost, draft_seconds)
+    if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
+        chain = _best_prefix(candidates.restricted_to_main_paths(), cost, draft_seconds)
+        best = best if _rate(best) > _rate(chain) else chain
+    idle = float(cost.predict(num_reqs, num_reqs))
+    if _rate(best) < (1.0 + margin) * num_reqs / max(idle, 1e-9):
+        best = Choice(np.zeros_like(best.keep), float(num_reqs), idle, 0.0)
     return Choice(best.keep, best.expected_tokens, best.expected_seconds, cost.per_token * _rate(best))
 
 
@@ -76,23 +89,26 @@ def _rate(choice: Choice) -> float:
     return choice.expected_tokens / max(choice.expected_seconds, 1e-9)
 
 
-def _best_prefix(path_chance: np.ndarray, budgets: np.ndarray, num_reqs: int, cost: StepCostModel,
-                 draft_seconds: float, samples: np.ndarray) -> Choice:
+def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float) -> Choice:
     """The ``b`` nodes (within row budgets) of the highest chance per verification cost, for the
     ``b`` of the highest rate."""
+    path_chance, num_reqs = candidates.path_chance, candidates.num_reqs
     rows, width = path_chance.shape
     order = np.argsort(-path_chance, axis=1, kind="stable")
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(width)[None, :], axis=1)
-    eligible = (path_chance > 0) & (rank < np.asarray(budgets)[:, None])
+    eligible = (path_chance > 0) & (rank < np.asarray(candidates.budgets)[:, None])
     flat = np.flatnonzero(eligible)
     chances = path_chance.reshape(-1)[flat]
-    node_cost = cost.per_token + cost.per_sampled_token * samples[flat // width]
+    sampled = candidates.sampled()[flat // width]
+    work = candidates.tree_work().reshape(-1)[flat]
+    node_cost = cost.per_token + cost.per_sampled_token * sampled + cost.per_tree_kilopair * work
     by_chance = np.argsort(-chances / np.maximum(node_cost, 1e-12), kind="stable")
-    gained = np.concatenate(([0.0], np.cumsum(chances[by_chance])))
-    sampled = np.concatenate(([0], np.cumsum(samples[flat[by_chance] // width])))
+    gained, sampled, work = (np.concatenate(([0.0], np.cumsum(values[by_chance])))
+                             for values in (chances, sampled, work))
     counts = np.arange(len(gained))
-    seconds = cost.predict(num_reqs, num_reqs + counts, sampled=sampled) + np.where(counts > 0, draft_seconds, 0.0)
+    seconds = cost.predict(num_reqs, num_reqs + counts, tree_work=work, sampled=sampled)
+    seconds = seconds + np.where(counts > 0, draft_seconds, 0.0)
     rate = (num_reqs + gained) / np.maximum(seconds, 1e-9)
     best = int(np.argmax(rate))
     keep = np.zeros(rows * width, bool)

@@ -1,13 +1,15 @@
 """The running engine's step-cost curve, learned online from real steps.
 
-One target step (drafting excluded) takes ``t(B, N, T, S) = a + b·B + c·(N − B) + d·T + e·S``
-seconds for ``B`` requests, ``N`` scheduled tokens (``N − B``: drafts to verify and prefill
-beyond one token per request), ``T`` requests whose draft tree branches (tree attention and KV
-compaction cost extra per such request) and ``S`` draft tokens of requests that sample
-(temperature > 0: verifying them needs the target's distribution, not only its argmax).
-The fit is least squares over decaying sums, pulled towards a start-up prior by a ridge worth
-``prior_steps`` steps, so that the per-token cost ``c`` stays sensible while steps do not yet
-vary in their token counts. Steps far slower than predicted (an idle engine waiting for
+One target step (drafting excluded) takes
+``t(B, N, W, S) = a + b·B + c·(N − B) + d·W + e·S + f·[W > 0]`` seconds for ``B`` requests,
+``N`` scheduled tokens (``N − B``: drafts to verify and prefill beyond one token per request),
+``W`` thousands of (tree node × context token) pairs that tree attention recomputes (the nodes
+after each branching tree's leading chain, each over its request's context; ``f`` is what a step
+with any such node pays once: the per-layer kernel calls and the KV compaction) and ``S`` draft
+tokens of requests that sample (temperature > 0: verifying them needs the target's distribution,
+not only its argmax). The fit is least squares over decaying sums, pulled towards a start-up prior
+by a ridge worth ``prior_steps`` steps, so that the per-token cost ``c`` stays sensible while steps
+do not yet vary in their token counts. Steps far slower than predicted (an idle engine waiting for
 requests) are not learned from. On tensor-parallel engines the step times are the first rank's
 (``clock``, ``ranks.py``).
 """
@@ -20,16 +22,20 @@ import numpy as np
 
 from vllm_retrieval_spec.goodput.ranks import SharedClock
 
-# Start-up priors (seconds): base, per request, per extra token, per branching tree, per sampled
-# draft token; the data replaces either within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores.
-# CUDA: a 7B-shaped bf16 stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens
-# (benchmarks/verify_cost.py, results/verify_cost_h100.json); a branching tree there pays our
-# tree-attention kernel over ~1–2k context tokens in 32 layers (results/tree_attention_cuda.json).
+# Start-up priors (seconds): base, per request, per extra token, per thousand tree-attention
+# node-context pairs, per sampled draft token, per step with tree attention; the data replaces
+# them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree attention: ~0.5 ms per layer
+# for 16 nodes over 1,000 context tokens, results/tree_attention_cpu.json). CUDA: a 7B-shaped bf16
+# stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens (benchmarks/verify_cost.py,
+# results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
+# 4,000 tokens (results/tree_attention_cuda.json).
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.02, 0.0002),
-    "cuda": (0.0057, 0.00011, 0.000018, 0.003, 0.00001),
+    "cpu": (0.040, 0.002, 0.0015, 0.001, 0.0002, 0.003),
+    "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005),
 }
-FEATURES = 5
+COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step")
+FEATURES = len(COST_TERMS)
+RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0])  # a typical step's value of each feature
 OUTLIER_FACTOR = 3.0
 WARM_UP_STEPS = 8
 
@@ -48,13 +54,17 @@ class StepCostModel:
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(FEATURES), repr=False)
     _theta: np.ndarray | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if len(self.prior) != FEATURES:
+            raise ValueError(f"a step-cost prior has {FEATURES} terms {COST_TERMS}, got {len(self.prior)}")
+
     @classmethod
     def for_device(cls, device_type: str, clock: SharedClock | None = None) -> StepCostModel:
         return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]), clock=clock)
 
     @property
     def coefficients(self) -> np.ndarray:
-        """``(a, b, c, d, e)`` in seconds, each at least zero."""
+        """``(a, b, c, d, e, f)`` in seconds, each at least zero (``COST_TERMS``)."""
         if self._theta is None:
             self._theta = self._solve()
         return self._theta
@@ -64,7 +74,8 @@ class StepCostModel:
         return float(self.coefficients[2])
 
     @property
-    def per_branching_tree(self) -> float:
+    def per_tree_kilopair(self) -> float:
+        """What tree attention costs per thousand (recomputed node × context token) pairs."""
         return float(self.coefficients[3])
 
     @property
@@ -72,25 +83,33 @@ class StepCostModel:
         """What a draft token of a sampling request costs on top of ``per_token``."""
         return float(self.coefficients[4])
 
-    def predict(self, num_reqs: float, num_tokens: np.ndarray | float, branching: np.ndarray | float = 0,
-                sampled: np.ndarray | float = 0) -> np.ndarray:
-        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens, ``branching``
-        branching trees and ``sampled`` draft tokens of requests that sample."""
-        a, b, c, d, e = self.coefficients
-        extra = np.asarray(num_tokens, np.float64) - num_reqs
-        return a + b * num_reqs + c * extra + d * np.asarray(branching) + e * np.asarray(sampled)
+    @property
+    def per_tree_step(self) -> float:
+        """What a step that runs tree attention at all pays once."""
+        return float(self.coefficients[5])
 
-    def observe(self, seconds: float, num_reqs: int, num_tokens: int, branching: int = 0, sampled: int = 0) -> bool:
+    def predict(self, num_reqs: float, num_tokens: np.ndarray | float, tree_work: np.ndarray | float = 0,
+                sampled: np.ndarray | float = 0) -> np.ndarray:
+        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens, ``tree_work``
+        thousand tree-attention node-context pairs and ``sampled`` draft tokens of requests
+        that sample."""
+        a, b, c, d, e, f = self.coefficients
+        extra = np.asarray(num_tokens, np.float64) - num_reqs
+        tree_work = np.asarray(tree_work, np.float64)
+        return a + b * num_reqs + c * extra + d * tree_work + e * np.asarray(sampled) + f * (tree_work > 0)
+
+    def observe(self, seconds: float, num_reqs: int, num_tokens: int, tree_work: float = 0.0,
+                sampled: int = 0) -> bool:
         """Learn from one step; False when it was rejected as an outlier."""
         if self.clock is not None:
             seconds = self.clock.shared(seconds)
         if num_reqs <= 0 or seconds <= 0:
             return False
-        predicted = float(self.predict(num_reqs, num_tokens, branching, sampled))
+        predicted = float(self.predict(num_reqs, num_tokens, tree_work, sampled))
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
             self.rejected += 1
             return False
-        x = np.array([1.0, num_reqs, max(num_tokens - num_reqs, 0), branching, sampled])
+        x = np.array([1.0, num_reqs, max(num_tokens - num_reqs, 0), tree_work, sampled, float(tree_work > 0)])
         self._xx = self.forgetting * self._xx + np.outer(x, x)
         self._xy = self.forgetting * self._xy + x * seconds
         self.steps += 1
@@ -106,7 +125,6 @@ class StepCostModel:
     def _solve(self) -> np.ndarray:
         prior = np.asarray(self.prior, np.float64)
         # The ridge weighs the prior like prior_steps typical steps would.
-        scale = np.array([1.0, 8.0, 8.0, 1.0, 8.0]) ** 2 * self.prior_steps
-        ridge = np.diag(scale)
+        ridge = np.diag(RIDGE_SCALES**2 * self.prior_steps)
         theta = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
         return np.maximum(theta, 0.0)

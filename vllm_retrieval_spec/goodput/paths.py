@@ -29,6 +29,16 @@ def node_depths(parents: np.ndarray) -> np.ndarray:
     return (fold_paths(np.ones(np.shape(parents), np.int32), parents, np.add) - 1).astype(np.int32)
 
 
+def shallowest(parents: np.ndarray, size: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """``[rows, N]`` mask of each row's ``budgets[i]`` shallowest nodes (the earlier first within
+    a depth): a fixed budget's cut, closed under parents whatever order the tree is laid out in."""
+    rows, width = np.shape(parents)
+    column = np.arange(width)[None, :]
+    key = np.where(column < np.asarray(size)[:, None], node_depths(parents) * width + column, rows * width * width)
+    rank = np.argsort(np.argsort(key, axis=1, kind="stable"), axis=1, kind="stable")
+    return (rank < np.asarray(budgets)[:, None]) & (column < np.asarray(size)[:, None])
+
+
 def path_products(chance: np.ndarray, parents: np.ndarray) -> np.ndarray:
     """The chance that each node is accepted: the product of conditional chances along its path."""
     return fold_paths(np.asarray(chance, np.float64), parents, np.multiply)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram
 
 from vllm_retrieval_spec.compat import PROMETHEUS_DIR_VARIABLES
+from vllm_retrieval_spec.goodput.cost_model import COST_TERMS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 PREFIX = "vllm_retrieval_spec:"
 LABELS = ("model_name", "engine", "proposer")
 DRAFTING_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
-# The cost model's coefficients, in order.
-COST_TERMS = ("step", "request", "draft_token", "branching_tree", "sampled_draft_token")
 
 Total = int | Mapping[str, int]  # one count, or counts by the value of the counter's own label
 
@@ -122,7 +121,8 @@ def families() -> Families:
     drafting = Histogram(PREFIX + "drafting_seconds", "Drafting time per step (the runner's propose call: "
                          "search, goodput budget, draft lists).", LABELS, buckets=DRAFTING_SECONDS_BUCKETS)
     cost = Gauge(PREFIX + "budget_step_cost_seconds", "The goodput budget's learned step cost: seconds per "
-                 "step, per request, per draft token and per branching tree.", [*LABELS, "term"],
+                 "step, per request, per draft token, per thousand tree-attention node-context pairs, per sampled "
+                 "draft token and per tree step (label term).", [*LABELS, "term"],
                  multiprocess_mode="mostrecent")
     failing = Gauge(PREFIX + "consecutive_drafting_failures", "Steps in a row whose drafting failed (0 once a "
                     "step drafts again); above 0 for long, the server runs without speculation.", LABELS,

@@ -7,10 +7,11 @@ cross-request output index (up to ``output_max_matches``, each weighing ``output
 continuations given by the caller (DReSD's dense neighbours, each weighing ``dense_weight``; the
 live index of requests in flight, each weighing ``live_weight``), plus the continuations of the
 longest suffix found earlier in the row's own context (each weighing ``context_weight``), merged
-into one trie. Output: the ``top_k`` best nodes as a subtree, breadth-first (parents before
-children), and the best chain (the best child at each step), which stops when a child keeps less
-than ``min_ratio`` of its parent's weight (with a :class:`ChanceTable`: when its calibrated
-chance given its parent is below ``min_ratio``).
+into one trie. Output: the ``top_k`` best nodes as a subtree, depth-first with each node's
+children in rank order (parents before children, the main path first), and the best chain (the
+best child at each step), which stops when a child keeps less than ``min_ratio`` of its parent's
+weight (with a :class:`ChanceTable`: when its calibrated chance given its parent is below
+``min_ratio``).
 
 Nodes rank by weight, or, given a :class:`ChanceTable` (the goodput calibration's), by calibrated
 path chance: the product along the node's path of each node's chance given its parent, looked up

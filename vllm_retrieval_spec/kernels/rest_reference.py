@@ -93,9 +93,18 @@ class _ReferenceTrie:
         return by_weight if self.chances is None else (-self.path[node], *by_weight)
 
     def tree(self, top_k: int) -> list[int]:
-        """The top_k best-ranked nodes, by depth then rank."""
+        """The top_k best-ranked nodes, depth-first (each node's children in rank order): sorted
+        by the ranks along their paths from the root."""
         chosen = sorted(range(1, len(self.nodes)), key=self.rank)[:top_k]
-        return sorted(chosen, key=lambda n: (self.nodes[n].depth, self.rank(n)))
+        return sorted(chosen, key=self.path_ranks)
+
+    def path_ranks(self, node: int) -> list[tuple]:
+        """The ranks of the node's ancestors and itself, from the root's child down."""
+        ranks = []
+        while node != 0:
+            ranks.append(self.rank(node))
+            node = self.nodes[node].parent
+        return ranks[::-1]
 
     def parents(self, chosen: list[int]) -> list[int]:
         position = {node: i for i, node in enumerate(chosen)}

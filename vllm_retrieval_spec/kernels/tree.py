@@ -72,6 +72,47 @@ class SparseDraft:
     probs: Any
 
 
+@dataclass(frozen=True)
+class TreeBatch:
+    """The draft trees :func:`accept_trees` verifies and how: ``tokens`` and ``parents`` ``[N]``
+    and ``offsets`` ``[B + 1]`` int32 (the flat layout of this module), ``rules`` ``[B]`` int32
+    (:class:`AcceptRule`), ``seeds`` ``[B]`` uint64 (each request draws from
+    ``uniform(seed, 0), uniform(seed, 1), ...``) and ``positions`` ``[B]`` int64, needed by
+    :attr:`AcceptRule.KEYED` only: the absolute position of the token each request's row 0
+    samples (prompt plus output length). A keyed request's ``seeds[b]`` is its own seed; the node
+    at depth ``d`` samples with ``keyed_uniform(seeds[b], positions[b] + d)`` (``csrc/rng.h``).
+    NumPy arrays (or anything array-like) on the CPU, tensors for CUDA."""
+
+    tokens: Any
+    parents: Any
+    offsets: Any
+    rules: Any
+    seeds: Any
+    positions: Any = None
+
+    def on_host(self) -> TreeBatch:
+        """Contiguous NumPy copies in the kernels' dtypes (a device sync for CUDA tensors)."""
+        tokens, parents, offsets, rules = (np.ascontiguousarray(to_host(a), dtype=np.int32)
+                                           for a in (self.tokens, self.parents, self.offsets, self.rules))
+        positions = None if self.positions is None else np.ascontiguousarray(to_host(self.positions),
+                                                                             dtype=np.int64)
+        return TreeBatch(tokens, parents, offsets, rules,
+                         np.ascontiguousarray(to_host(self.seeds), dtype=np.uint64), positions)
+
+    def on_device(self, device: Any) -> TreeBatch:
+        """Contiguous CUDA tensors in the kernels' dtypes on ``device``."""
+        torch = cuda_torch()
+        tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
+                                           for a in (self.tokens, self.parents, self.offsets, self.rules))
+        positions = None if self.positions is None else torch.as_tensor(
+            self.positions, dtype=torch.int64, device=device).contiguous()
+        return TreeBatch(tokens, parents, offsets, rules, _cuda_seeds(self.seeds, device), positions)
+
+    def arrays(self) -> tuple:
+        """The arguments of the extension's ``accept_trees`` that follow the draft rows."""
+        return self.tokens, self.parents, self.offsets, self.rules, self.seeds
+
+
 @dataclass
 class TreeMasks:
     """``depth`` ``[N]`` int32 (1 for children of the root) and ``ancestor_mask``
@@ -138,28 +179,22 @@ def tree_depths(parents: Any, offsets: Any, *, validate: bool = True, num_thread
 
 def accept_trees(
     scores: Any,
-    tokens: Any,
-    parents: Any,
-    offsets: Any,
-    rules: Any,
-    seeds: Any,
-    draft_probs: Any = None,
+    batch: TreeBatch,
     *,
+    draft_probs: Any = None,
+    draft: SparseDraft | None = None,
+    sampling: RowSampling | None = None,
     out_width: int | None = None,
     validate: bool = True,
     num_threads: int = 0,
-    sampling: RowSampling | None = None,
-    draft: SparseDraft | None = None,
-    positions: Any = None,
 ) -> TreeAcceptance:
-    """Verify a batch of draft trees (CUDA kernel when ``scores`` is a CUDA tensor).
+    """Verify a batch of draft trees (:class:`TreeBatch`; CUDA kernel when ``scores`` is a CUDA
+    tensor).
 
     ``scores`` ``[N + B, V]`` float32: logits for greedy requests (no NaN), probabilities
     (after temperature/top-k/top-p, unnormalised is fine) for sampled ones; an all-zero row
-    emits -1. ``rules`` ``[B]``
-    (:class:`AcceptRule`), ``seeds`` ``[B]`` uint64 (each request draws from
-    ``uniform(seed, 0), uniform(seed, 1), ...``), ``draft_probs`` ``[N + B, V]`` float32 (row
-    of the node the candidates were drawn from) is needed by the MCSS rules. ``out_width``
+    emits -1. ``draft_probs`` ``[N + B, V]`` float32 (row of the node the candidates were drawn
+    from) is needed by the MCSS rules. ``out_width``
     defaults to the deepest tree + 1; smaller widths cut the trees at depth ``out_width - 1``
     (still lossless). For CUDA, ``validate`` and the default width cost a device sync; CUDA
     workspaces are ``[B, V]`` float64 (rules 1-3) and float32 (rule 3).
@@ -173,37 +208,27 @@ def accept_trees(
 
     ``draft`` (:class:`SparseDraft`): the MCSS rules' draft rows as sparse lists instead of
     ``draft_probs`` (not both); the result is exactly that of the equivalent dense rows.
-
-    ``positions`` ``[B]`` int64, needed by :attr:`AcceptRule.KEYED`: the absolute position of
-    the token each request's row 0 samples (prompt plus output length). A keyed request's
-    ``seeds[b]`` is its own seed; the node at depth ``d`` samples with
-    ``keyed_uniform(seeds[b], positions[b] + d)`` (``csrc/rng.h``).
     """
     if is_cuda_tensor(scores):
-        return _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs,
-                            out_width, validate, sampling, draft, positions)
+        return _accept_cuda(scores, batch, draft_probs, draft, sampling, out_width, validate)
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     dense = None if draft_probs is None else np.ascontiguousarray(draft_probs, dtype=np.float32)
-    tokens, parents, offsets, rules = (np.ascontiguousarray(a, dtype=np.int32)
-                                       for a in (tokens, parents, offsets, rules))
-    seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
+    batch = batch.on_host()
     sampling = None if sampling is None else _host_sampling(sampling)
     draft = None if draft is None else SparseDraft(np.ascontiguousarray(draft.tokens, dtype=np.int32),
                                                    np.ascontiguousarray(draft.probs, dtype=np.float32))
-    positions = None if positions is None else np.ascontiguousarray(positions, dtype=np.int64)
     if validate:
-        _check_accept(scores.shape, tokens, parents, offsets, rules, seeds,
-                      None if dense is None else dense.shape, out_width, sampling, draft, positions)
-    width = out_width if out_width is not None else _max_depth(parents, offsets, num_threads) + 1
-    batch = len(offsets) - 1
+        _check_accept(scores.shape, batch, None if dense is None else dense.shape, out_width, sampling, draft)
+    width = out_width if out_width is not None else _max_depth(batch.parents, batch.offsets, num_threads) + 1
+    requests = len(batch.offsets) - 1
     out = TreeAcceptance(
-        out_tokens=np.empty((batch, width), dtype=np.int32),
-        path_nodes=np.empty((batch, width - 1), dtype=np.int32),
-        num_accepted=np.empty(batch, dtype=np.int32),
+        out_tokens=np.empty((requests, width), dtype=np.int32),
+        path_nodes=np.empty((requests, width - 1), dtype=np.int32),
+        num_accepted=np.empty(requests, dtype=np.int32),
     )
-    load_extension().accept_trees(scores, dense, tokens, parents, offsets, rules, seeds,
+    load_extension().accept_trees(scores, dense, *batch.arrays(),
                                   out.out_tokens, out.path_nodes, out.num_accepted, num_threads,
-                                  **_sampling_kwargs(sampling), **_draft_kwargs(draft), positions=positions)
+                                  **_sampling_kwargs(sampling), **_draft_kwargs(draft), positions=batch.positions)
     return out
 
 
@@ -220,12 +245,9 @@ def target_distributions(logits: Any, sampling: RowSampling, *, validate: bool =
         torch = cuda_torch()
         device = logits.device
         logits = logits.to(torch.float32).contiguous()
-        sampling = RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
-                                 for a, dtype in zip(_fields(sampling),
-                                                     (torch.float32, torch.int32, torch.float32))))
+        sampling = _device_sampling(sampling, device)
         if validate:
-            _check_sampling(_host_sampling(RowSampling(*map(to_host, _fields(sampling)))),
-                            len(logits), None)
+            _check_sampling(_host_sampling(sampling), len(logits), None)
         out = torch.empty(logits.shape, dtype=torch.float64, device=device)
         ext.target_rows(logits, *_fields(sampling), out, torch.cuda.current_stream(device).cuda_stream)
         return out
@@ -242,6 +264,12 @@ def target_distributions(logits: Any, sampling: RowSampling, *, validate: bool =
 
 def _fields(sampling: RowSampling) -> tuple:
     return sampling.temperature, sampling.top_k, sampling.top_p
+
+
+def _device_sampling(sampling: RowSampling, device: Any) -> RowSampling:
+    torch = cuda_torch()
+    return RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
+                         for a, dtype in zip(_fields(sampling), (torch.float32, torch.int32, torch.float32))))
 
 
 def _host_sampling(sampling: RowSampling) -> RowSampling:
@@ -283,36 +311,28 @@ def _max_depth(parents: Any, offsets: Any, num_threads: int = 0) -> int:
     return int(depth.max()) if len(depth) else 0
 
 
-def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, out_width, validate,
-                 sampling=None, sparse=None, positions=None):
+def _accept_cuda(scores: Any, batch: TreeBatch, draft_probs: Any, sparse: SparseDraft | None,
+                 sampling: RowSampling | None, out_width: int | None, validate: bool) -> TreeAcceptance:
     ext = load_extension()
     torch = cuda_torch()
     device = scores.device
     # Rules known on the host size the workspaces; without them assume every rule occurs.
-    host_rules = to_host(rules) if validate or not is_cuda_tensor(rules) else None
+    host_rules = to_host(batch.rules) if validate or not is_cuda_tensor(batch.rules) else None
     scores = scores.to(torch.float32).contiguous()
     draft = None if draft_probs is None else draft_probs.to(device, torch.float32).contiguous()
-    tokens, parents, offsets, rules = (torch.as_tensor(a, dtype=torch.int32, device=device).contiguous()
-                                       for a in (tokens, parents, offsets, rules))
-    seeds = _cuda_seeds(seeds, device)
-    if positions is not None:
-        positions = torch.as_tensor(positions, dtype=torch.int64, device=device).contiguous()
+    batch = batch.on_device(device)
     if sampling is not None:
-        sampling = RowSampling(*(torch.as_tensor(a, dtype=dtype, device=device).contiguous()
-                                 for a, dtype in zip(_fields(sampling),
-                                                     (torch.float32, torch.int32, torch.float32))))
+        sampling = _device_sampling(sampling, device)
     if sparse is not None:
         sparse = SparseDraft(torch.as_tensor(sparse.tokens, dtype=torch.int32, device=device).contiguous(),
                              torch.as_tensor(sparse.probs, dtype=torch.float32, device=device).contiguous())
     if validate:
-        _check_accept(tuple(scores.shape), to_host(tokens), to_host(parents), to_host(offsets),
-                      host_rules, to_host(seeds),
-                      None if draft is None else tuple(draft.shape), out_width,
-                      None if sampling is None else _host_sampling(RowSampling(*map(to_host, _fields(sampling)))),
-                      None if sparse is None else SparseDraft(to_host(sparse.tokens), to_host(sparse.probs)),
-                      None if positions is None else to_host(positions))
-    width = out_width if out_width is not None else _max_depth(parents, offsets) + 1
-    batch, vocab = len(offsets) - 1, scores.shape[1]
+        _check_accept(tuple(scores.shape), batch.on_host(), None if draft is None else tuple(draft.shape),
+                      out_width,
+                      None if sampling is None else _host_sampling(sampling),
+                      None if sparse is None else SparseDraft(to_host(sparse.tokens), to_host(sparse.probs)))
+    width = out_width if out_width is not None else _max_depth(batch.parents, batch.offsets) + 1
+    requests, vocab = len(batch.offsets) - 1, scores.shape[1]
     needs_p = host_rules is None or bool(np.isin(host_rules, _RESIDUAL_RULES).any())
     mcss = host_rules is None or bool(np.isin(host_rules, _MCSS_RULES).any())
     needs_q = draft is not None and (host_rules is None or
@@ -321,26 +341,26 @@ def _accept_cuda(scores, tokens, parents, offsets, rules, seeds, draft_probs, ou
     needs_row = (sampled and sampling is not None) or (needs_p and sparse is not None and mcss)
     sparse_width = 0 if sparse is None else max(1, sparse.tokens.shape[1])
     out = TreeAcceptance(
-        out_tokens=torch.empty((batch, width), dtype=torch.int32, device=device),
-        path_nodes=torch.empty((batch, width - 1), dtype=torch.int32, device=device),
-        num_accepted=torch.empty(batch, dtype=torch.int32, device=device),
+        out_tokens=torch.empty((requests, width), dtype=torch.int32, device=device),
+        path_nodes=torch.empty((requests, width - 1), dtype=torch.int32, device=device),
+        num_accepted=torch.empty(requests, dtype=torch.int32, device=device),
     )
 
     def workspace(needed: bool, columns: int, dtype) -> Any:
-        return torch.empty((batch, columns), dtype=dtype, device=device) if needed else None
+        return torch.empty((requests, columns), dtype=dtype, device=device) if needed else None
 
     p_work = workspace(needs_p, vocab, torch.float64)
     q_work = workspace(needs_q, vocab, torch.float32)
     row_work = workspace(needs_row, vocab, torch.float64)
     needs_sparse = sparse is not None and mcss
-    ext.accept_trees(scores, draft, tokens, parents, offsets, rules, seeds, out.out_tokens,
+    ext.accept_trees(scores, draft, *batch.arrays(), out.out_tokens,
                      out.path_nodes, out.num_accepted, p_work, q_work,
                      torch.cuda.current_stream(device).cuda_stream,
                      **_sampling_kwargs(sampling), **_draft_kwargs(sparse),
                      row_workspace=row_work,
                      sparse_token_workspace=workspace(needs_sparse, sparse_width, torch.int32),
                      sparse_value_workspace=workspace(needs_sparse, sparse_width, torch.float32),
-                     positions=positions)
+                     positions=batch.positions)
     return out
 
 
@@ -389,15 +409,13 @@ def _check_trees(parents: np.ndarray, offsets: np.ndarray, max_nodes: int | None
         raise ValueError(f"max_nodes = {max_nodes} is below the largest tree ({sizes.max()} nodes)")
 
 
-def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
-                  offsets: np.ndarray, rules: np.ndarray, seeds: np.ndarray,
-                  draft_shape: tuple | None, out_width: int | None,
-                  sampling: RowSampling | None = None, sparse: SparseDraft | None = None,
-                  positions: np.ndarray | None = None) -> None:
+def _check_accept(scores_shape: tuple, batch: TreeBatch, draft_shape: tuple | None, out_width: int | None,
+                  sampling: RowSampling | None = None, sparse: SparseDraft | None = None) -> None:
+    tokens, parents, offsets, rules, seeds = batch.arrays()
     _check_trees(parents, offsets)
-    batch = len(offsets) - 1
-    if len(scores_shape) != 2 or scores_shape[0] != len(parents) + batch or scores_shape[1] < 1:
-        raise ValueError(f"scores must be [N + B, V] = [{len(parents) + batch}, V >= 1], got "
+    requests = len(offsets) - 1
+    if len(scores_shape) != 2 or scores_shape[0] != len(parents) + requests or scores_shape[1] < 1:
+        raise ValueError(f"scores must be [N + B, V] = [{len(parents) + requests}, V >= 1], got "
                          f"{list(scores_shape)}")
     vocab = scores_shape[1]
     if tokens.shape != parents.shape:
@@ -405,12 +423,12 @@ def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
     if bad.size:
         raise ValueError(f"tokens[{bad[0]}] = {tokens[bad[0]]} is outside the vocabulary [0, {vocab})")
-    if rules.shape != (batch,) or seeds.shape != (batch,):
-        raise ValueError(f"rules and seeds must have one entry per request ({batch})")
+    if rules.shape != (requests,) or seeds.shape != (requests,):
+        raise ValueError(f"rules and seeds must have one entry per request ({requests})")
     bad = np.flatnonzero((rules < 0) | (rules > max(AcceptRule)))
     if bad.size:
         raise ValueError(f"rules[{bad[0]}] = {rules[bad[0]]} is not an AcceptRule (0-{max(AcceptRule)})")
-    _check_positions(positions, rules)
+    _check_positions(batch.positions, rules)
     if draft_shape is None and sparse is None and np.isin(rules, _MCSS_RULES).any():
         raise ValueError("draft_probs is required by the MCSS rules (2 and 3): pass draft_probs "
                          "[N + B, V] or draft=SparseDraft(tokens, probs)")
@@ -423,7 +441,7 @@ def _check_accept(scores_shape: tuple, tokens: np.ndarray, parents: np.ndarray,
     if out_width is not None and out_width < 1:
         raise ValueError(f"out_width must be >= 1, got {out_width}")
     if sampling is not None:
-        _check_sampling(sampling, batch, rules)
+        _check_sampling(sampling, requests, rules)
     if sparse is not None:
         _check_sparse_draft(sparse, scores_shape)
 

@@ -16,6 +16,7 @@ from vllm_retrieval_spec.kernels.tree import (
     RowSampling,
     SparseDraft,
     TreeAcceptance,
+    TreeBatch,
     TreeMasks,
     mask_words,
 )
@@ -210,17 +211,12 @@ def pack_tree_masks_reference(parents: Any, offsets: Any, max_nodes: int) -> Tre
 
 def accept_trees_reference(
     scores: Any,
-    tokens: Any,
-    parents: Any,
-    offsets: Any,
-    rules: Any,
-    seeds: Any,
-    draft_probs: Any = None,
+    batch: TreeBatch,
     *,
-    out_width: int | None = None,
-    sampling: RowSampling | None = None,
+    draft_probs: Any = None,
     draft: SparseDraft | None = None,
-    positions: Any = None,
+    sampling: RowSampling | None = None,
+    out_width: int | None = None,
 ) -> TreeAcceptance:
     """Plain NumPy (float64) :func:`accept_trees`: same rules, draws and sums.
 
@@ -231,20 +227,20 @@ def accept_trees_reference(
     scores = np.asarray(scores)
     if scores.dtype != np.float64:
         scores = scores.astype(np.float32)
-    tokens, parents, offsets, rules = (np.asarray(a, dtype=np.int32)
-                                       for a in (tokens, parents, offsets, rules))
+    batch = batch.on_host()
+    tokens, parents, offsets, rules, seeds = batch.arrays()
     if draft is not None:
         draft_probs = sparse_to_dense(draft, scores.shape[1])
-    batch = len(offsets) - 1
+    requests = len(offsets) - 1
     if out_width is None:
         largest = int(np.diff(offsets).max(initial=0))
         out_width = int(pack_tree_masks_reference(parents, offsets, largest).depth.max(initial=0)) + 1
     out = TreeAcceptance(
-        out_tokens=np.full((batch, out_width), -1, dtype=np.int32),
-        path_nodes=np.full((batch, out_width - 1), -1, dtype=np.int32),
-        num_accepted=np.zeros(batch, dtype=np.int32),
+        out_tokens=np.full((requests, out_width), -1, dtype=np.int32),
+        path_nodes=np.full((requests, out_width - 1), -1, dtype=np.int32),
+        num_accepted=np.zeros(requests, dtype=np.int32),
     )
-    for b in range(batch):
+    for b in range(requests):
         begin, end = int(offsets[b]), int(offsets[b + 1])
         tree = _RefTree(parents[begin:end].tolist(), tokens[begin:end].tolist(),
                         int(begin) + b, out_width - 1)
@@ -253,7 +249,7 @@ def accept_trees_reference(
             parameters = (float(np.float32(sampling.temperature[b])), int(sampling.top_k[b]),
                           float(np.float32(sampling.top_p[b])))
             rows = _LazyRows(scores, parameters)
-        position = 0 if positions is None else int(positions[b])
+        position = 0 if batch.positions is None else int(batch.positions[b])
         path, emitted = _walk_reference(tree, rows, draft_probs, int(rules[b]), int(seeds[b]), position)
         out.path_nodes[b, : len(path)] = path
         out.out_tokens[b, : len(path)] = [tree.tokens[j] for j in path]

@@ -5,6 +5,7 @@ bigram; merge them into a tree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +13,26 @@ from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_MODEL, DraftArrays
 from vllm_retrieval_spec.kernels import context_ngram
 from vllm_retrieval_spec.kernels.draft_merge import merged_trees
 from vllm_retrieval_spec.ngrams.table import NgramTable
+
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.options import RetrievalSpecOptions
+
+
+@dataclass(frozen=True)
+class MixedStrategy:
+    """How :func:`mixed_drafts` fills each row: ``num_drafts`` drafts of up to ``draft_len``
+    tokens (the paper's k and w; the table's own caps apply too), the context ones matching the
+    last ``context_len`` tokens; ``mixing`` is one of ``options.MIXING_POLICIES``."""
+
+    num_drafts: int
+    draft_len: int
+    context_len: int
+    mixing: str
+
+    @classmethod
+    def from_options(cls, options: RetrievalSpecOptions, draft_len: int) -> MixedStrategy:
+        """The ``ngrammys_*`` options' strategy, with drafts of up to ``draft_len`` tokens."""
+        return cls(options.ngrammys_drafts, draft_len, options.ngrammys_context_len, options.ngrammys_mixing)
 
 
 @dataclass
@@ -63,25 +84,23 @@ class NgramDrafts(DraftArrays):
 
 
 def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,
-                 *, num_drafts: int, draft_len: int, context_len: int, mixing: str, num_threads: int = 0,
-                 with_trees: bool = False) -> NgramDrafts:
-    """``num_drafts`` drafts of up to ``draft_len`` tokens per requested row, the context ones
-    matching the last ``context_len`` tokens; ``mixing`` is one of ``options.MIXING_POLICIES``;
-    ``with_trees`` also merges them into trees."""
-    num_drafts, draft_len = min(num_drafts, table.max_drafts), min(draft_len, table.max_draft_len)
+                 strategy: MixedStrategy, *, num_threads: int = 0, with_trees: bool = False) -> NgramDrafts:
+    """The drafts of every requested row, filled by ``strategy``; ``with_trees`` also merges them
+    into trees."""
+    num_drafts, draft_len = min(strategy.num_drafts, table.max_drafts), min(strategy.draft_len, table.max_draft_len)
     tokens = np.full((len(rows), num_drafts, draft_len), -1, dtype=np.int32)
     lengths = np.zeros((len(rows), num_drafts), dtype=np.int32)
     weights = np.zeros((len(rows), num_drafts), dtype=np.float32)
     from_context = np.zeros(len(rows), dtype=np.int32)
-    if mixing != "bigram-only":
+    if strategy.mixing != "bigram-only":
         found = context_ngram(token_ids, num_tokens, rows, num_drafts=num_drafts, draft_len=draft_len,
-                              q_min=context_len, q_max=context_len, num_threads=num_threads)
+                              q_min=strategy.context_len, q_max=strategy.context_len, num_threads=num_threads)
         tokens[:], lengths[:] = found.tokens, found.lengths
         from_context = (found.lengths > 0).sum(axis=1).astype(np.int32)
         counts = found.counts.astype(np.float32)
         total = counts.sum(axis=1, keepdims=True)
         weights = np.divide(counts, total, out=weights, where=total > 0)
-    if mixing != "context-only":
+    if strategy.mixing != "context-only":
         last = token_ids[rows, num_tokens[rows] - 1]
         bigram = table.extended[last][:, :num_drafts, :draft_len]  # [rows, num_drafts, draft_len]
         slot = np.arange(num_drafts)[None, :]

@@ -30,6 +30,7 @@ from vllm_retrieval_spec.datastores.live_index import LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.drafts import Drafts, DraftTree, count_sources
 from vllm_retrieval_spec.goodput import GoodputBudget
+from vllm_retrieval_spec.goodput.paths import shallowest
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 
 if TYPE_CHECKING:
@@ -227,12 +228,11 @@ class DraftProposer(abc.ABC):
         trees = batch.trees and self.options.tree and found.tree_tokens is not None  # some draft chains only
         nodes = found.nodes(trees)
         if budget is None:
-            chosen = ChosenDrafts(batch.rows, nodes.tokens, nodes.parents, np.minimum(nodes.size, batch.budgets),
-                                  nodes.source)
+            chosen = ChosenDrafts(batch.rows, *nodes.kept(shallowest(nodes.parents, nodes.size, batch.budgets)))
         else:
             keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
                                  len(sampled_token_ids), time.perf_counter() - start, trees=trees,
-                                 samples=self._row_samples(batch.rows))
+                                 samples=self._row_samples(batch.rows), context_tokens=batch.num_tokens[batch.rows])
             chosen = ChosenDrafts(batch.rows, *nodes.kept(keep))
         return self._draw_candidates(chosen, found) if self._samples_candidates() else chosen
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_retrieval_spec.ngrams.drafts import NgramDrafts, mixed_drafts
+from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, NgramDrafts, mixed_drafts
 from vllm_retrieval_spec.ngrams.table import open_table_for_model
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
@@ -21,16 +21,12 @@ class NGrammysProposer(DraftProposer):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.table = open_table_for_model(self.options.ngram_table, vllm_config.model_config.model)
+        self.strategy = MixedStrategy.from_options(
+            self.options, min(self.options.ngrammys_draft_len, self.num_speculative_tokens))
         self.last_drafts: NgramDrafts | None = None
 
     def draft(self, batch: DraftBatch) -> NgramDrafts:
-        options = self.options
-        self.last_drafts = mixed_drafts(
-            self.table, batch.token_ids, batch.num_tokens, batch.rows,
-            num_drafts=options.ngrammys_drafts,
-            draft_len=min(options.ngrammys_draft_len, self.num_speculative_tokens),
-            context_len=options.ngrammys_context_len, mixing=options.ngrammys_mixing, num_threads=options.num_threads,
-            with_trees=batch.trees,
-        )
+        self.last_drafts = mixed_drafts(self.table, batch.token_ids, batch.num_tokens, batch.rows, self.strategy,
+                                        num_threads=self.options.num_threads, with_trees=batch.trees)
         return self.last_drafts
 

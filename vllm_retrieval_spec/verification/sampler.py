@@ -29,7 +29,14 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, SparseDraft, accept_trees, to_host
+from vllm_retrieval_spec.kernels.tree import (
+    AcceptRule,
+    RowSampling,
+    SparseDraft,
+    TreeBatch,
+    accept_trees,
+    to_host,
+)
 from vllm_retrieval_spec.verification.session import SpecSession
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
@@ -99,10 +106,9 @@ class TreeRejectionSampler(RejectionSampler):
             draft = SparseDraft(*(torch.from_numpy(a).to(logits.device) if on_gpu else a
                                   for a in (plan.draft_q.tokens, plan.draft_q.probs)))
         result = accept_trees(  # the CUDA kernel when the logits live on a GPU
-            logits if on_gpu else logits.numpy(), plan.tokens, plan.parents, plan.offsets,
-            rules.astype(np.int32), seeds, out_width=metadata.max_spec_len + 1, draft=draft,
+            logits if on_gpu else logits.numpy(), tree_batch(plan, rules, seeds, keyed.any()),
+            out_width=metadata.max_spec_len + 1, draft=draft,
             sampling=None if greedy.all() else row_sampling(sampling_metadata, num_requests, on_gpu),
-            positions=plan.positions if keyed.any() else None,
         )
         return result.out_tokens, to_host(result.path_nodes), to_host(result.num_accepted)
 
@@ -119,6 +125,13 @@ class TreeRejectionSampler(RejectionSampler):
         logprobs = selected if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(selected)
         tokens = output.flatten().clamp(min=0).to(torch.int64)
         return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
+
+
+def tree_batch(plan: TreeStepPlan, rules: np.ndarray, seeds: np.ndarray, keyed: bool) -> TreeBatch:
+    """The acceptance kernel's view of ``plan``'s trees with this step's rules and seeds; the
+    roots' positions only when a request is ``keyed`` (the only rule that reads them)."""
+    return TreeBatch(plan.tokens, plan.parents, plan.offsets, rules.astype(np.int32), seeds,
+                     positions=plan.positions if keyed else None)
 
 
 def row_sampling(sampling_metadata, num_requests: int, on_gpu: bool) -> RowSampling:

@@ -110,7 +110,7 @@ class SpecSession:
     layout_checked: bool = False
     _step_started: float | None = field(default=None, init=False, repr=False)
     _draft_seconds: float = field(default=0.0, init=False, repr=False)
-    _branching_seen: int = field(default=0, init=False, repr=False)
+    _tree_work: float = field(default=0.0, init=False, repr=False)  # thousand node-context pairs recomputed this step
     _sampled_tokens: int = field(default=0, init=False, repr=False)  # draft tokens of sampling requests this step
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
     _kv_groups: dict[int, ops.TreeKVGroup] = field(default_factory=dict, init=False, repr=False)  # by metadata
@@ -127,11 +127,9 @@ class SpecSession:
         target step just run scheduled ``num_scheduled_tokens`` tokens and ``samples`` tells
         which rows' requests sample (temperature > 0)."""
         now = time.perf_counter()
-        branching = self.stats.branching_requests - self._branching_seen
-        self._branching_seen = self.stats.branching_requests
         if self.budget is not None and self._step_started is not None:
             self.budget.cost.observe(now - self._step_started - self._draft_seconds, len(req_ids),
-                                     num_scheduled_tokens, branching, self._sampled_tokens)
+                                     num_scheduled_tokens, self._tree_work, self._sampled_tokens)
         self._step_started = now
         self.step += 1
         self.step_req_ids = list(req_ids)
@@ -224,6 +222,7 @@ class SpecSession:
         self.plan = self._kv_layout = None
         self._kv_groups = {}
         self._sampled_tokens = 0
+        self._tree_work = 0.0
         batch = runner.input_batch
         keyed = bool(batch.generators)  # seeded sampling: our sampler draws each of their tokens
         if not (spec_tokens or keyed):
@@ -254,6 +253,7 @@ class SpecSession:
         depth = torch.from_numpy(plan.depth).to(device, runner.positions.dtype)
         runner.positions[node_rows] = runner.positions[roots] + depth
         self._context_lens = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + 1
+        self._tree_work = float(np.dot(plan.off_chain_counts(), self._context_lens)) / 1000.0
         self.stats.tree_steps += 1
         self.stats.tree_requests += int((plan.sizes > 0).sum())
         self.stats.branching_requests += int(plan.branching.sum())

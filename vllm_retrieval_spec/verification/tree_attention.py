@@ -5,7 +5,9 @@ is already exact for every non-draft row and for the root row of a tree (it sees
 only); the draft rows of branching trees are then recomputed with the tree mask by the
 ``tree_attention`` kernel (:mod:`vllm_retrieval_spec.kernels.attention`), which reads each
 node's context and ancestors in place from the paged cache: each node sees the whole context,
-its ancestors and itself. Chains need no fix-up (causal is their tree mask).
+its ancestors and itself. Chains need no fix-up (causal is their tree mask), nor does the
+leading chain of a tree (its nodes before the first one whose parent is not the node before it:
+the REST kernel writes trees depth-first, so that is the tree's main path).
 
 A node at depth ``d`` sits at position ``base + d``: a sliding-window layer (Gemma 2/3,
 Mistral, gpt-oss) keeps the keys of its path within the window counted from there, a soft-capped
@@ -127,9 +129,10 @@ def require_supported_attention(impl: object) -> None:
 
 @dataclass
 class TreeNodes:
-    """The draft nodes of one step's branching trees, as the ``tree_attention`` kernel takes
-    them (built once per step on the host with NumPy, moved to the cache's device once, shared
-    by every layer)."""
+    """The draft nodes the ``tree_attention`` kernel recomputes in one step: those after their
+    tree's leading chain (the chain's own rows are exact under the backend's causal mask). Built
+    once per step on the host with NumPy, moved to the cache's device once, shared by every
+    layer."""
 
     rows: torch.Tensor  # [M] flat token index of each node
     request: torch.Tensor  # [M] int32 input-batch row (of the block table)
@@ -141,13 +144,12 @@ class TreeNodes:
     @classmethod
     def build(cls, plan: TreeStepPlan, context_lens: np.ndarray, block_table: torch.Tensor) -> TreeNodes:
         """``context_lens`` ``[B]``: tokens before each row's first draft node (root included)."""
-        sizes = plan.sizes
-        branching = np.repeat(plan.branching, sizes)
-        request = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)[branching]
-        index = (np.arange(len(plan.tokens)) - np.repeat(plan.offsets[:-1], sizes))[branching]
+        sizes, recomputed = plan.sizes, plan.off_chain
+        request = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)[recomputed]
+        index = (np.arange(len(plan.tokens)) - np.repeat(plan.offsets[:-1], sizes))[recomputed]
         device = block_table.device
-        arrays = (plan.node_rows()[branching], request, context_lens[request].astype(np.int32),
-                  index.astype(np.int32), np.ascontiguousarray(plan.ancestors[branching]))
+        arrays = (plan.node_rows()[recomputed], request, context_lens[request].astype(np.int32),
+                  index.astype(np.int32), np.ascontiguousarray(plan.ancestors[recomputed]))
         rows, request_t, context, index_t, ancestors = (torch.from_numpy(a).to(device) for a in arrays)
         table = block_table.to(torch.int32).contiguous()
         return cls(rows, request_t, context, index_t, ancestors, table)

@@ -30,6 +30,7 @@ class TreeStepPlan:
     depth: np.ndarray  # [N] int32, 1 = child of the root
     ancestors: np.ndarray  # [N, words] uint64, bit j: node j of the same tree is an ancestor or itself
     branching: np.ndarray  # [B] bool, the rows whose tree is not a chain
+    off_chain: np.ndarray  # [N] bool, nodes after their tree's leading chain (the causal mask is wrong for them)
     draft_q: DraftQRows | None = None  # the draft distributions of rows with drawn candidates
     scheduled: np.ndarray | None = None  # [B] draft slots per row, when some hold placeholders, not nodes
     positions: np.ndarray | None = None  # [B] int64: the absolute position of each row's root token
@@ -45,13 +46,11 @@ class TreeStepPlan:
         tokens = np.fromiter((t for tree in trees for t in tree.tokens), dtype=np.int32, count=len(parents))
         sizes = np.diff(offsets)
         packed = pack_tree_masks(parents, offsets, max(int(sizes.max(initial=0)), 1))
-        chain_parent = np.arange(len(parents), dtype=np.int32) - np.repeat(offsets[:-1], sizes) - 1
-        off_chain = np.zeros(len(parents) + 1, dtype=np.int64)
-        np.cumsum(parents != chain_parent, out=off_chain[1:])
-        branching = off_chain[offsets[1:]] > off_chain[offsets[:-1]]
+        off_chain = leading_chain_ends(parents, offsets)
+        branching = _counts_within(off_chain, offsets) > 0
         rows_q = DraftQRows.build(draft_q, offsets) if any(q is not None for q in draft_q) else None
         return cls(tokens, parents, offsets, np.asarray(query_starts, dtype=np.int64), packed.depth,
-                   packed.ancestor_mask, branching, rows_q,
+                   packed.ancestor_mask, branching, off_chain, rows_q,
                    scheduled=None if scheduled is None or np.array_equal(sizes, scheduled) else scheduled)
 
     @property
@@ -66,6 +65,10 @@ class TreeStepPlan:
     def draft_slot_rows(self) -> np.ndarray | None:
         """The scheduled draft slot of every node, when some slots hold placeholders."""
         return None if self.scheduled is None else _first_of_groups(self.scheduled, self.sizes)
+
+    def off_chain_counts(self) -> np.ndarray:
+        """``[B]``: each row's nodes after its tree's leading chain (what tree attention recomputes)."""
+        return _counts_within(self.off_chain, self.offsets)
 
     def is_branching(self) -> bool:
         """False when every tree is a chain (then vLLM's own path is already exact)."""
@@ -129,10 +132,27 @@ def _first_of_groups(groups: np.ndarray, taken: np.ndarray) -> np.ndarray:
     return np.repeat(starts, taken) + _ranks_within(taken)
 
 
+def _counts_within(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """How many of ``flags`` are set in each of the segments ``[offsets[i], offsets[i + 1])``."""
+    counted = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    return counted[offsets[1:]] - counted[offsets[:-1]]
+
+
 def _ranks_within(counts: np.ndarray) -> np.ndarray:
     """0, 1, …, counts[0] − 1, 0, 1, …: each element's index within its group."""
     counts = np.asarray(counts, np.int64)
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def leading_chain_ends(parents: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``[N]`` bool: the nodes at or after the first node of their tree whose parent is not the
+    node before it. The others form the tree's leading chain: a causal mask shows each of them
+    exactly its ancestors."""
+    sizes = np.diff(offsets)
+    local = np.arange(len(parents), dtype=np.int32) - np.repeat(offsets[:-1], sizes)
+    breaks = np.zeros(len(parents) + 1, dtype=np.int64)
+    np.cumsum(parents != local - 1, out=breaks[1:])
+    return breaks[1:] > np.repeat(breaks[offsets[:-1]], sizes)
 
 
 def flatten_parents(trees: Sequence[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
