@@ -1,7 +1,8 @@
 """Tree attention per layer: our paged kernel vs gathering each request's context out of the
 cache and running one masked SDPA (what the tree step did before the kernel), same inputs.
 
-R branching trees of N nodes (two roots, then a chain) over contexts of C tokens. On the CPU:
+R branching trees of N nodes (two roots, then a chain; the kernel recomputes all but the first
+root, the tree's leading chain) over contexts of C tokens. On the CPU:
 SmolLM2-135M shapes (9 query heads, 3 kv heads, head size 64, block size 128, float32, vLLM's
 CPU cache layout). With ``--device cuda``: Llama-7B shapes (32 heads, 32 kv heads, head size
 128, block size 16, bfloat16, the GPU backends' split layout), timed with CUDA events.
@@ -82,8 +83,8 @@ class Step:
         return out[n.rows]
 
     def gather_sdpa(self) -> torch.Tensor:
-        """The previous fix-up: copy every tree's context (and nodes) out of the cache, one
-        masked SDPA over [R, heads, N, C + N]."""
+        """The first fix-up: copy every tree's context (and nodes) out of the cache, one masked
+        SDPA over [R, heads, N, C + N] (every node; the kernel's rows of it are compared)."""
         shape = self.shape
         hs, kv_heads = shape.head_size, shape.kv_heads
         keys, values = kv_views(self.cache, hs, shape.layout)
@@ -97,10 +98,12 @@ class Step:
         visible = torch.from_numpy(unpack_masks(self.plan.ancestors, n).reshape(r, n, n))
         mask = torch.ones(r, 1, n, c + n, dtype=torch.bool)
         mask[..., c:] = visible.unsqueeze(1)
-        q = self.query.view(-1, shape.heads, hs)[self.nodes.rows].view(r, n, shape.heads, hs).transpose(1, 2)
+        rows = torch.from_numpy(self.plan.node_rows()).to(self.query.device)
+        q = self.query.view(-1, shape.heads, hs)[rows].view(r, n, shape.heads, hs).transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, gather(keys), gather(values), attn_mask=mask.to(q.device), scale=hs**-0.5, enable_gqa=True)
-        return out.transpose(1, 2).reshape(r * n, shape.heads * hs)
+        recomputed = torch.from_numpy(self.plan.off_chain).to(out.device)  # the rows the kernel writes
+        return out.transpose(1, 2).reshape(r * n, shape.heads * hs)[recomputed]
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
@@ -125,7 +128,8 @@ def median_ms(fn: Callable[[], object], repeats: int, device: str = "cpu") -> fl
 def bench(trees: int, nodes: int, context: int, threads: list[int], repeats: int, device: str) -> dict:
     step = Step(trees, nodes, context, device)
     shape = step.shape
-    flops = 4 * trees * nodes * shape.heads * (context + nodes / 2) * shape.head_size
+    recomputed = int(step.plan.off_chain.sum())  # all but each tree's first root (its leading chain)
+    flops = 4 * recomputed * shape.heads * (context + nodes / 2) * shape.head_size
     kv_bytes = trees * (context + nodes) * shape.kv_heads * 2 * shape.head_size * shape.dtype.itemsize
     row = {"trees": trees, "nodes": nodes, "context": context,
            "gather_sdpa_ms": median_ms(step.gather_sdpa, repeats, device),

@@ -30,7 +30,7 @@ from vllm_retrieval_spec.goodput.ranks import SharedClock
 # results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
 # 4,000 tokens (results/tree_attention_cuda.json).
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.001, 0.0002, 0.003),
+    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005),
     "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005),
 }
 COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step")
