@@ -24,8 +24,8 @@ from vllm_retrieval_spec.goodput.ranks import SharedClock
 
 # Start-up priors (seconds): base, per request, per extra token, per thousand tree-attention
 # node-context pairs, per sampled draft token, per step with tree attention; the data replaces
-# them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree attention: ~0.5 ms per layer
-# for 16 nodes over 1,000 context tokens, results/tree_attention_cpu.json). CUDA: a 7B-shaped bf16
+# them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree terms as learned at batch 1,
+# results/acceptance_code_edit_n10_t128_c1_item5_grain.json). CUDA: a 7B-shaped bf16
 # stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens (benchmarks/verify_cost.py,
 # results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
 # 4,000 tokens (results/tree_attention_cuda.json).
