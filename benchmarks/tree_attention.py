@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from vllm_retrieval_spec.drafts import DraftTree
-from vllm_retrieval_spec.kernels.attention import KVLayout, kv_views, tree_attention
-from vllm_retrieval_spec.verification.tree_attention import TreeNodes
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, kv_views, tree_attention
+from vllm_retrieval_spec.verification.tree_attention import tree_nodes
 from vllm_retrieval_spec.verification.trees import TreeStepPlan, unpack_masks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,15 +72,15 @@ class Step:
                                  generator=on_device, device=device).to(shape.dtype)
         self.query = torch.randn(trees * (nodes + 1), shape.heads * shape.head_size, generator=on_device,
                                  device=device).to(shape.dtype)
-        self.nodes = TreeNodes.build(self.plan, np.full(trees, context), blocks.to(device))
+        self.nodes = tree_nodes(self.plan, np.full(trees, context), blocks.to(device))
         self.trees, self.node_count, self.context = trees, nodes, context
 
     def kernel(self, threads: int) -> torch.Tensor:
         out = torch.zeros_like(self.query)
-        n, shape = self.nodes, self.shape
-        tree_attention(self.query, self.cache, shape.layout, n.rows, n.block_table, n.request, n.context,
-                       n.index, n.ancestors, shape.heads, shape.head_size**-0.5, out, num_threads=threads)
-        return out[n.rows]
+        shape = self.shape
+        tree_attention(self.query, self.cache, out, self.nodes, shape.layout,
+                       LayerAttention(shape.heads, shape.head_size**-0.5), num_threads=threads)
+        return out[self.nodes.rows]
 
     def gather_sdpa(self) -> torch.Tensor:
         """The first fix-up: copy every tree's context (and nodes) out of the cache, one masked

@@ -7,6 +7,7 @@ kernel itself is compared with its torch reference on random trees, shapes and d
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,19 +15,20 @@ import pytest
 import torch
 
 from vllm_retrieval_spec.drafts import DraftTree
-from vllm_retrieval_spec.kernels.attention import KVLayout, tree_attention
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes, tree_attention
 from vllm_retrieval_spec.kernels.attention_reference import node_positions, tree_attention_reference
 from vllm_retrieval_spec.kernels.tree import pack_tree_masks
 from vllm_retrieval_spec.verification.tree_attention import (
-    AttentionVariant,
     TreeAttentionError,
     TreeKVGroup,
-    TreeNodes,
+    TreeLayer,
     apply_tree_attention,
     check_layout,
     compact_kv,
+    layer_attention,
     read_slots,
     require_supported_attention,
+    tree_nodes,
 )
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
@@ -89,6 +91,12 @@ class Batch:
         self.context_lens = np.array(contexts)
         self.impl = SimpleNamespace(num_heads=HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
 
+    def attend(self, output: torch.Tensor, layout: KVLayout, device: str = "cpu", **impl: object) -> None:
+        """The tree-attention fix-up of one layer whose implementation adds ``impl``."""
+        nodes = tree_nodes(self.plan, self.context_lens, self.blocks.to(device))
+        tree_layer = TreeLayer.of(SimpleNamespace(**vars(self.impl), **impl), layout)
+        apply_tree_attention(self.query.to(device), self.cache.to(device), output, nodes, tree_layer)
+
     def slot(self, row: int, position: int) -> int:
         return int(self.blocks[row, position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
 
@@ -117,8 +125,7 @@ class Batch:
 def test_tree_rows_match_dense_attention(layout, device):
     batch = Batch(layout)
     output = torch.full((batch.num_tokens, HEADS * HEAD_SIZE), 7.0, device=device)
-    nodes = TreeNodes.build(batch.plan, batch.context_lens, batch.blocks.to(device))
-    apply_tree_attention(batch.impl, batch.query.to(device), batch.cache.to(device), layout, output, nodes)
+    batch.attend(output, layout, device)
     output, expected = output.cpu(), batch.reference_rows()
     assert len(expected) == 5  # 8 nodes, 3 of them on their tree's leading chain
     for flat in range(batch.num_tokens):
@@ -136,9 +143,7 @@ def test_sliding_window_rows_match_dense_attention_over_the_last_keys_of_each_pa
     vLLM's sliding window W passes)."""
     batch = Batch(layout)
     output = torch.zeros(batch.num_tokens, HEADS * HEAD_SIZE)
-    nodes = TreeNodes.build(batch.plan, batch.context_lens, batch.blocks)
-    variant = AttentionVariant.of(SimpleNamespace(sliding_window=window, logits_soft_cap=0, sinks=None))
-    apply_tree_attention(batch.impl, batch.query, batch.cache, layout, output, nodes, variant)
+    batch.attend(output, layout, sliding_window=window, logits_soft_cap=0, sinks=None)
     for flat, expected in batch.reference_rows(window).items():
         torch.testing.assert_close(output[flat], expected, rtol=1e-5, atol=1e-5)
 
@@ -176,12 +181,12 @@ def test_kv_groups_compact_their_own_slots_in_a_shared_cache():
     ({"sliding_window": (511, 0), "logits_soft_cap": 50.0}, (512, 50.0)),  # FLASH_ATTN / TRITON_ATTN: (W - 1, 0)
     ({"sliding_window": (-1, -1), "logits_soft_cap": None}, (0, 0.0)),
 ])
-def test_attention_variant_of_each_backend(impl, expected):
+def test_layer_attention_of_each_backend(impl, expected):
     sinks = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
-    variant = AttentionVariant.of(SimpleNamespace(**impl, sinks=sinks))
-    assert (variant.window, variant.softcap) == expected
-    assert variant.sinks.dtype == torch.float32 and torch.equal(variant.sinks, sinks.float())
-    assert AttentionVariant.of(SimpleNamespace(**impl)).sinks is None
+    attention = layer_attention(SimpleNamespace(num_heads=2, scale=0.125, **impl, sinks=sinks))
+    assert (attention.heads, attention.scale, attention.window, attention.softcap) == (2, 0.125, *expected)
+    assert attention.sinks.dtype == torch.float32 and torch.equal(attention.sinks, sinks.float())
+    assert layer_attention(SimpleNamespace(num_heads=2, scale=0.125, **impl)).sinks is None
 
 
 @pytest.mark.parametrize(("impl", "message"), [
@@ -225,10 +230,34 @@ def test_layout_check_accepts_its_own_layout_and_refuses_the_other(layout):
         check_layout(batch.cache, other, slots, keys.reshape(9, -1), values.reshape(9, -1))
 
 
+@dataclass(frozen=True)
+class KernelCase:
+    """The kernel's inputs but the output and the layer's variant."""
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    nodes: TreeNodes
+    heads: int
+    scale: float
+
+    def run(self, out: torch.Tensor, layout: KVLayout, **variant: object) -> None:
+        tree_attention(self.query, self.kv_cache, out, self.nodes, layout,
+                       LayerAttention(self.heads, self.scale, **variant))
+
+    def reference(self, layout: KVLayout, **variant: object) -> torch.Tensor:
+        """The torch reference's rows, on the host."""
+        def host(value):
+            return value.cpu() if isinstance(value, torch.Tensor) else value
+
+        nodes = TreeNodes(*(host(array) for array in vars(self.nodes).values()))
+        attention = LayerAttention(self.heads, self.scale, **{k: host(v) for k, v in variant.items()})
+        return tree_attention_reference(self.query.cpu(), self.kv_cache.cpu(), nodes, layout, attention)
+
+
 def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.dtype, device: str,
-                      **shape: int) -> dict:
-    """A random cache, random trees and a strided query for the kernel (its keyword arguments);
-    ``shape`` fixes some of ``group, kv_heads, head_size, requests, min_context, max_context``."""
+                      **shape: int) -> KernelCase:
+    """A random cache, random trees and a strided query for the kernel; ``shape`` fixes some of
+    ``group, kv_heads, head_size, requests, min_context, max_context``."""
     group = shape.get("group") or int(rng.choice([1, 3, 4]))
     kv_heads = shape.get("kv_heads") or int(rng.integers(1, 3))
     head_size = shape.get("head_size") or int(rng.choice([8, 37, 64]))
@@ -249,15 +278,12 @@ def random_tree_batch(rng: np.random.Generator, layout: KVLayout, dtype: torch.d
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     heads = group * kv_heads
     fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype)
-    arrays = {"node_row": node_row, "block_table": table, "node_request": request,
-              "node_context": contexts[request].astype(np.int32),
-              "node_index": (nodes - offsets[request]).astype(np.int32),
-              "ancestors": np.ascontiguousarray(masks.ancestor_mask[nodes])}
-    inputs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+    arrays = (node_row, table, request, contexts[request].astype(np.int32), (nodes - offsets[request]).astype(np.int32),
+              np.ascontiguousarray(masks.ancestor_mask[nodes]))
     cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size, generator=gen)
-    inputs["kv_cache"] = cache.to(dtype).to(device)
-    inputs["query"] = fused.to(device)[:, : heads * head_size]  # a strided view, as vLLM's is
-    return {**inputs, "heads": heads, "scale": head_size**-0.5}
+    query = fused.to(device)[:, : heads * head_size]  # a strided view, as vLLM's is
+    return KernelCase(query, cache.to(dtype).to(device), TreeNodes(*(torch.from_numpy(a).to(device) for a in arrays)),
+                      heads, head_size**-0.5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -267,14 +293,12 @@ def test_kernel_matches_reference_on_random_trees(layout, dtype, device):
     rng = np.random.default_rng(7)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for _ in range(25):
-        inputs = random_tree_batch(rng, layout, dtype, device)
-        query = inputs["query"]
-        out = torch.full((query.shape[0], query.shape[1]), 7.0, dtype=dtype, device=device)
-        tree_attention(layout=layout, out=out, **inputs)
-        host = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
-        expected = tree_attention_reference(layout=layout, **host)
-        rows = host["node_row"]
-        got = out.cpu().float().view(len(out), inputs["heads"], -1)
+        case = random_tree_batch(rng, layout, dtype, device)
+        out = torch.full(case.query.shape, 7.0, dtype=dtype, device=device)
+        case.run(out, layout)
+        expected = case.reference(layout)
+        rows = case.nodes.rows.cpu()
+        got = out.cpu().float().view(len(out), case.heads, -1)
         torch.testing.assert_close(got[rows], expected.float(), rtol=tolerance, atol=tolerance)
         untouched = torch.ones(len(out), dtype=torch.bool)
         untouched[rows] = False
@@ -290,15 +314,13 @@ def attention_options(rng: np.random.Generator, heads: int, device: str) -> dict
     return {"window": window, "softcap": softcap, "sinks": sinks}
 
 
-def assert_matches_reference(inputs: dict, options: dict, layout: KVLayout, dtype: torch.dtype, device: str,
+def assert_matches_reference(case: KernelCase, options: dict, layout: KVLayout, dtype: torch.dtype, device: str,
                              tolerance: float) -> None:
     """The kernel's rows equal the reference's on the same inputs and options, to ``tolerance``."""
-    out = torch.full(inputs["query"].shape, 7.0, dtype=dtype, device=device)
-    tree_attention(layout=layout, out=out, **inputs, **options)
-    host = {name: value.cpu() if isinstance(value, torch.Tensor) else value
-            for name, value in {**inputs, **options}.items()}
-    expected = tree_attention_reference(layout=layout, **host)
-    got = out.cpu().float().view(len(out), inputs["heads"], -1)[host["node_row"]]
+    out = torch.full(case.query.shape, 7.0, dtype=dtype, device=device)
+    case.run(out, layout, **options)
+    expected = case.reference(layout, **options)
+    got = out.cpu().float().view(len(out), case.heads, -1)[case.nodes.rows.cpu()]
     torch.testing.assert_close(got, expected.float(), rtol=tolerance, atol=tolerance)
 
 
@@ -311,9 +333,9 @@ def test_kernel_matches_reference_with_window_softcap_and_sinks(layout, dtype, d
     rng = np.random.default_rng(11)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for _ in range(30):
-        inputs = random_tree_batch(rng, layout, dtype, device)
-        options = attention_options(rng, inputs["heads"], device)
-        assert_matches_reference(inputs, options, layout, dtype, device, tolerance)
+        case = random_tree_batch(rng, layout, dtype, device)
+        options = attention_options(rng, case.heads, device)
+        assert_matches_reference(case, options, layout, dtype, device, tolerance)
 
 
 @NO_CUDA
@@ -326,18 +348,18 @@ def test_cuda_kernel_matches_reference_on_long_contexts(layout, dtype, group, kv
     rng = np.random.default_rng(13)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for _ in range(3):
-        inputs = random_tree_batch(rng, layout, dtype, "cuda", group=group, kv_heads=kv_heads, head_size=128,
-                                   requests=requests, min_context=2900, max_context=3100)
-        options = attention_options(rng, inputs["heads"], "cuda")
+        case = random_tree_batch(rng, layout, dtype, "cuda", group=group, kv_heads=kv_heads, head_size=128,
+                                 requests=requests, min_context=2900, max_context=3100)
+        options = attention_options(rng, case.heads, "cuda")
         options["window"] = int(rng.choice([0, 700, 2990]))
-        assert_matches_reference(inputs, options, layout, dtype, "cuda", tolerance)
+        assert_matches_reference(case, options, layout, dtype, "cuda", tolerance)
 
 
 def test_window_wider_than_every_path_changes_nothing():
-    inputs = random_tree_batch(np.random.default_rng(5), KVLayout.CPU_VEC, torch.float32, "cpu")
-    plain, windowed = (torch.zeros(inputs["query"].shape) for _ in range(2))
-    tree_attention(layout=KVLayout.CPU_VEC, out=plain, **inputs)
-    tree_attention(layout=KVLayout.CPU_VEC, out=windowed, window=1000, **inputs)
+    case = random_tree_batch(np.random.default_rng(5), KVLayout.CPU_VEC, torch.float32, "cpu")
+    plain, windowed = (torch.zeros(case.query.shape) for _ in range(2))
+    case.run(plain, KVLayout.CPU_VEC)
+    case.run(windowed, KVLayout.CPU_VEC, window=1000)
     assert torch.equal(plain, windowed)
 
 
@@ -353,12 +375,12 @@ def test_reference_window_keeps_the_last_keys_of_the_path():
 
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_kernel_refuses_blocks_and_positions_outside_the_cache(layout):
-    inputs = random_tree_batch(np.random.default_rng(3), layout, torch.float32, "cpu")
-    out = torch.zeros(inputs["query"].shape)
-    table, request, cache = inputs["block_table"], inputs["node_request"], inputs["kv_cache"]
+    case = random_tree_batch(np.random.default_rng(3), layout, torch.float32, "cpu")
+    out = torch.zeros(case.query.shape)
+    table, request, cache = case.nodes.block_table, case.nodes.request, case.kv_cache
 
-    def run(**changed) -> None:
-        tree_attention(layout=layout, out=out, **{**inputs, **changed})
+    def run(query: torch.Tensor = case.query, **changed) -> None:
+        replace(case, query=query, nodes=replace(case.nodes, **changed)).run(out, layout)
 
     bad = table.clone()
     bad[int(request[0]), 0] = cache.shape[0]  # one block past the cache
@@ -368,13 +390,13 @@ def test_kernel_refuses_blocks_and_positions_outside_the_cache(layout):
     with pytest.raises(IndexError, match="outside the cache"):
         run(block_table=bad)
     with pytest.raises(IndexError, match="past the block table"):
-        run(node_context=torch.full_like(inputs["node_context"], table.shape[1] * cache.shape[2]))
+        run(context=torch.full_like(case.nodes.context, table.shape[1] * cache.shape[2]))
     with pytest.raises(IndexError, match="out of range"):
-        run(node_request=request + table.shape[0])
+        run(request=request + table.shape[0])
     with pytest.raises(IndexError, match="out of range"):
-        run(node_row=inputs["node_row"] + len(out))
+        run(rows=case.nodes.rows + len(out))
     with pytest.raises(ValueError, match="contiguous rows"):
-        run(query=inputs["query"].t())
+        run(query=case.query.t())
 
 
 def test_only_nodes_after_the_leading_chain_are_recomputed():

@@ -39,7 +39,7 @@ from vllm_retrieval_spec.proposers.registry import names_this_package
 from vllm_retrieval_spec.verification.admission import refuse_chain_only_features, refuse_unrepeatable_seeds
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
-from vllm_retrieval_spec.verification.tree_attention import require_supported_attention
+from vllm_retrieval_spec.verification.tree_attention import TreeLayer, require_supported_attention
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig
@@ -457,13 +457,16 @@ def _hook_attention_layers(runner: GPUModelRunner, session: SpecSession) -> None
                             "branching tree would advance down every branch; use chain mode (tree: false)")
     for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values():
         impl = attention.impl
-        layout = kv_layout_of(impl)
         require_supported_attention(impl)  # at start: ALiBi, fp8 KV cache
+        tree_layer = TreeLayer.of(impl, kv_layout_of(impl))
 
-        def tree_forward(original: Callable, impl=impl, layout=layout) -> Callable:
+        def tree_forward(original: Callable, tree_layer: TreeLayer = tree_layer) -> Callable:
             def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
                 result = original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-                session.attend(impl, layer, query, key, value, kv_cache, attn_metadata, output, layout)
+                if session.attends(attn_metadata):
+                    if not session.layout_checked:
+                        session.check_layout(layer, key, value, kv_cache, attn_metadata, tree_layer.layout)
+                    session.attend(tree_layer, query, kv_cache, attn_metadata, output)
                 return result
 
             return forward

@@ -24,6 +24,8 @@ Per layer the cache is ``[num_blocks, kv_heads, block_size, 2 * head_size]`` in 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,24 +56,44 @@ def kv_views(kv_cache: torch.Tensor, head_size: int, layout: KVLayout) -> tuple[
     return keys, values
 
 
-def tree_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, node_row: torch.Tensor,
-    block_table: torch.Tensor, node_request: torch.Tensor, node_context: torch.Tensor,
-    node_index: torch.Tensor, ancestors: torch.Tensor, heads: int, scale: float, out: torch.Tensor,
-    *, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None, num_threads: int = 0,
-) -> None:
-    """Overwrite rows ``node_row`` of ``out`` with the attention of those rows' queries over
+@dataclass(frozen=True)
+class TreeNodes:
+    """The draft nodes tree attention recomputes in one step and KV cache group, on the cache's
+    device, shared by every layer of the group (indices as the module docstring says)."""
+
+    rows: Any  # [M] int64: each node's row of query and out
+    block_table: Any  # [rows, width] int32
+    request: Any  # [M] int32: each node's row of the block table
+    context: Any  # [M] int32: tokens before the request's first node (the root included)
+    index: Any  # [M] int32: each node's index in its tree
+    ancestors: Any  # [M, words] uint64: ancestor-or-self bits (kernels.tree.pack_tree_masks' rows)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One attention layer as tree attention computes it: query heads, score scale and what the
+    layer adds to the causal mask (``window`` and ``softcap`` 0: none; ``sinks`` ``[heads]``
+    float32 on the cache's device, or None)."""
+
+    heads: int
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    sinks: Any = None
+
+
+def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout: KVLayout,
+                   attention: LayerAttention, *, num_threads: int = 0) -> None:
+    """Overwrite rows ``nodes.rows`` of ``out`` with the attention of those rows' queries over
     their paged context and ancestors (module docstring).
 
-    ``query`` and ``out`` ``[tokens, heads * head_size]`` (rows may be strided), ``node_row``
-    ``[nodes]`` int64, ``block_table`` ``[rows, width]``, ``node_*`` ``[nodes]`` int32,
-    ``ancestors`` ``[nodes, words]`` uint64 (``kernels.tree.pack_tree_masks``' rows), all on
-    the cache's device, the index arrays contiguous. ``window`` ``0`` and ``softcap`` ``0`` mean
-    none; ``sinks`` ``[heads]`` float32 on the cache's device, or ``None``.
+    ``query`` and ``out`` ``[tokens, heads * head_size]`` (rows may be strided), ``kv_cache``
+    ``[blocks, kv_heads, block_size, 2 * head_size]``, all on one device, the node arrays
+    contiguous.
     """
-    args = (query, kv_cache, out, node_row, block_table, node_request, node_context, node_index, ancestors,
-            heads, layout.code, scale)
-    options = {"window": window, "softcap": softcap, "sinks": sinks}
+    args = (query, kv_cache, out, nodes.rows, nodes.block_table, nodes.request, nodes.context, nodes.index,
+            nodes.ancestors, attention.heads, layout.code, attention.scale)
+    options = {"window": attention.window, "softcap": attention.softcap, "sinks": attention.sinks}
     if is_cuda_tensor(kv_cache):
         stream = cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream
         load_extension().tree_attention(*args, stream, **options)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_retrieval_spec.kernels.attention import KVLayout, kv_views
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes, kv_views
 
 
 def node_positions(context: int, index: int, ancestor_row: torch.Tensor, window: int = 0) -> list[int]:
@@ -33,25 +33,24 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
     return torch.cat([scores, sinks.double()[:, None]], dim=1).softmax(-1)[:, :-1]
 
 
-def tree_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout, node_row: torch.Tensor,
-    block_table: torch.Tensor, node_request: torch.Tensor, node_context: torch.Tensor,
-    node_index: torch.Tensor, ancestors: torch.Tensor, heads: int, scale: float,
-    *, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def tree_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, nodes: TreeNodes, layout: KVLayout,
+                             attention: LayerAttention) -> torch.Tensor:
     """What :func:`~vllm_retrieval_spec.kernels.attention.tree_attention` writes into rows
-    ``node_row`` of its output, node by node, as ``[nodes, heads, head_size]``."""
+    ``nodes.rows`` of its output, node by node, as ``[nodes, heads, head_size]`` (host tensors)."""
+    heads = attention.heads
     kv_heads, block_size, head_size = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2
     keys, values = kv_views(kv_cache, head_size, layout)
-    queries = query.reshape(query.shape[0], heads, head_size)[node_row]
+    queries = query.reshape(query.shape[0], heads, head_size)[nodes.rows]
     kv_head = torch.arange(heads) // (heads // kv_heads)
     out = torch.empty_like(queries)
-    for m in range(len(node_row)):
-        positions = torch.tensor(node_positions(int(node_context[m]), int(node_index[m]), ancestors[m].cpu(), window))
-        table = block_table[int(node_request[m])].cpu().long()
+    for m in range(len(nodes.rows)):
+        positions = torch.tensor(node_positions(int(nodes.context[m]), int(nodes.index[m]), nodes.ancestors[m].cpu(),
+                                                attention.window))
+        table = nodes.block_table[int(nodes.request[m])].cpu().long()
         blocks, offsets = table[positions // block_size], positions % block_size
         k = keys[blocks, :, offsets].double()  # [keys, kv_heads, head_size]
         v = values[blocks, :, offsets].double()
-        weights = softmax_with_sinks(attention_scores(queries[m].double(), k[:, kv_head], scale, softcap), sinks)
+        scores = attention_scores(queries[m].double(), k[:, kv_head], attention.scale, attention.softcap)
+        weights = softmax_with_sinks(scores, attention.sinks)
         out[m] = torch.einsum("hn,nhd->hd", weights, v[:, kv_head]).to(out.dtype)
     return out

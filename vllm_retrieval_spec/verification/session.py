@@ -114,7 +114,6 @@ class SpecSession:
     _sampled_tokens: int = field(default=0, init=False, repr=False)  # draft tokens of sampling requests this step
     _context_lens: np.ndarray | None = field(default=None, init=False, repr=False)
     _kv_groups: dict[int, ops.TreeKVGroup] = field(default_factory=dict, init=False, repr=False)  # by metadata
-    _variants: dict[int, ops.AttentionVariant] = field(default_factory=dict, init=False, repr=False)  # by impl
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
     _accepted_paths: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
     step_hidden_states: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -258,25 +257,21 @@ class SpecSession:
         self.stats.tree_requests += int((plan.sizes > 0).sum())
         self.stats.branching_requests += int(plan.branching.sum())
 
-    def attend(self, impl: object, layer: object, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, metadata: object, output: torch.Tensor, layout: KVLayout) -> None:
+    def attends(self, metadata: object) -> bool:
+        """Whether this step's attention layers recompute tree rows (some tree branches)."""
+        return self.plan is not None and metadata is not None and self.plan.is_branching()
+
+    def attend(self, tree_layer: ops.TreeLayer, query: torch.Tensor, kv_cache: torch.Tensor, metadata: object,
+               output: torch.Tensor) -> None:
         """Recompute the draft rows of this step's branching trees with the tree mask (and the
         layer's sliding window, soft-cap and sinks); the layers of one KV cache group share
         ``metadata``, and with it the group's node arrays and slots."""
-        plan = self.plan
-        if plan is None or metadata is None or not plan.is_branching():
-            return
-        if not self.layout_checked:
-            self._check_layout(layer, key, value, kv_cache, metadata, layout)
         group = self._kv_groups.get(id(metadata))
         if group is None:
-            group = self._kv_groups[id(metadata)] = ops.TreeKVGroup.build(plan, self._context_lens, metadata)
-            self._kv_layout = layout
+            group = self._kv_groups[id(metadata)] = ops.TreeKVGroup.build(self.plan, self._context_lens, metadata)
+            self._kv_layout = tree_layer.layout
         group.add_cache(kv_cache)
-        variant = self._variants.get(id(impl))
-        if variant is None:
-            variant = self._variants[id(impl)] = ops.AttentionVariant.of(impl)
-        ops.apply_tree_attention(impl, query, kv_cache, layout, output, group.nodes, variant)
+        ops.apply_tree_attention(query, kv_cache, output, group.nodes, tree_layer)
 
     def finish_step(self, path_nodes: np.ndarray, num_accepted: np.ndarray) -> None:
         """Move each accepted node's K/V into the draft slot of its depth in every KV cache
@@ -300,7 +295,10 @@ class SpecSession:
             for group in self._kv_groups.values():
                 group.compact(self.head_size, self._kv_layout, moves)
 
-    def _check_layout(self, layer, key, value, kv_cache, metadata, layout: KVLayout) -> None:
+    def check_layout(self, layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: object, layout: KVLayout) -> None:
+        """Once per runner, at the first layer that attends: the cache holds the keys and
+        values the backend just wrote where tree attention reads them."""
         if layout is KVLayout.CPU_VEC:
             ops.require_cpu_isa(layer.isa)
         n = metadata.num_actual_tokens

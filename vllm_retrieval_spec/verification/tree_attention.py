@@ -12,7 +12,7 @@ the REST kernel writes trees depth-first, so that is the tree's main path).
 A node at depth ``d`` sits at position ``base + d``: a sliding-window layer (Gemma 2/3,
 Mistral, gpt-oss) keeps the keys of its path within the window counted from there, a soft-capped
 layer (Gemma 2) caps its scores and attention sinks (gpt-oss) join its softmax, as the backend
-does for every other row (:class:`AttentionVariant`). ALiBi and quantized (fp8) KV caches are
+does for every other row (:func:`layer_attention`). ALiBi and quantized (fp8) KV caches are
 refused when the engine starts (:func:`require_supported_attention`).
 
 vLLM's hybrid KV cache manager gives sliding-window and full-attention layers separate KV cache
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.kernels.attention import KVLayout, kv_views, tree_attention
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes, kv_views, tree_attention
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
 SUPPORTED_CPU_ISAS = ("vec",)
@@ -77,21 +77,13 @@ def require_cpu_isa(isa: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class AttentionVariant:
-    """What one layer's attention adds to the plain causal mask, in the kernel's terms."""
-
-    window: int = 0  # sliding window in keys, the query's own included (0: none)
-    softcap: float = 0.0  # logit soft-cap (0: none)
-    sinks: torch.Tensor | None = None  # [heads] float32 sink logits
-
-    @classmethod
-    def of(cls, impl: object) -> AttentionVariant:
-        """The variant of a vLLM attention implementation (``CPU_ATTN``, ``FLASH_ATTN``,
-        ``TRITON_ATTN``)."""
-        sinks = getattr(impl, "sinks", None)
-        return cls(sliding_window_of(impl), float(getattr(impl, "logits_soft_cap", None) or 0.0),
-                   None if sinks is None else sinks.detach().to(torch.float32).contiguous())
+def layer_attention(impl: object) -> LayerAttention:
+    """How tree attention computes a vLLM attention implementation's layer (``CPU_ATTN``,
+    ``FLASH_ATTN``, ``TRITON_ATTN``): its heads, scale, sliding window, soft-cap and sinks."""
+    sinks = getattr(impl, "sinks", None)
+    return LayerAttention(impl.num_heads, impl.scale, sliding_window_of(impl),
+                          float(getattr(impl, "logits_soft_cap", None) or 0.0),
+                          None if sinks is None else sinks.detach().to(torch.float32).contiguous())
 
 
 def sliding_window_of(impl: object) -> int:
@@ -127,32 +119,19 @@ def require_supported_attention(impl: object) -> None:
         )
 
 
-@dataclass
-class TreeNodes:
-    """The draft nodes the ``tree_attention`` kernel recomputes in one step: those after their
-    tree's leading chain (the chain's own rows are exact under the backend's causal mask). Built
-    once per step on the host with NumPy, moved to the cache's device once, shared by every
-    layer."""
-
-    rows: torch.Tensor  # [M] flat token index of each node
-    request: torch.Tensor  # [M] int32 input-batch row (of the block table)
-    context: torch.Tensor  # [M] int32 tokens before the request's first node (root included)
-    index: torch.Tensor  # [M] int32 local index in its tree
-    ancestors: torch.Tensor  # [M, words] uint64 ancestor-or-self bits
-    block_table: torch.Tensor  # [rows, width] int32
-
-    @classmethod
-    def build(cls, plan: TreeStepPlan, context_lens: np.ndarray, block_table: torch.Tensor) -> TreeNodes:
-        """``context_lens`` ``[B]``: tokens before each row's first draft node (root included)."""
-        sizes, recomputed = plan.sizes, plan.off_chain
-        request = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)[recomputed]
-        index = (np.arange(len(plan.tokens)) - np.repeat(plan.offsets[:-1], sizes))[recomputed]
-        device = block_table.device
-        arrays = (plan.node_rows()[recomputed], request, context_lens[request].astype(np.int32),
-                  index.astype(np.int32), np.ascontiguousarray(plan.ancestors[recomputed]))
-        rows, request_t, context, index_t, ancestors = (torch.from_numpy(a).to(device) for a in arrays)
-        table = block_table.to(torch.int32).contiguous()
-        return cls(rows, request_t, context, index_t, ancestors, table)
+def tree_nodes(plan: TreeStepPlan, context_lens: np.ndarray, block_table: torch.Tensor) -> TreeNodes:
+    """The nodes tree attention recomputes in one step: those after their tree's leading chain
+    (the chain's own rows are exact under the backend's causal mask). Built once per step on the
+    host with NumPy, moved to the cache's device once, shared by every layer of a KV cache group.
+    ``context_lens`` ``[B]``: tokens before each row's first draft node (root included)."""
+    sizes, recomputed = plan.sizes, plan.off_chain
+    request = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)[recomputed]
+    index = (np.arange(len(plan.tokens)) - np.repeat(plan.offsets[:-1], sizes))[recomputed]
+    device = block_table.device
+    arrays = (plan.node_rows()[recomputed], request, context_lens[request].astype(np.int32),
+              index.astype(np.int32), np.ascontiguousarray(plan.ancestors[recomputed]))
+    rows, request_t, context, index_t, ancestors = (torch.from_numpy(a).to(device) for a in arrays)
+    return TreeNodes(rows, block_table.to(torch.int32).contiguous(), request_t, context, index_t, ancestors)
 
 
 @dataclass
@@ -170,7 +149,7 @@ class TreeKVGroup:
         """From the attention metadata the group's layers share this step."""
         slot_mapping = metadata.slot_mapping
         rows = torch.from_numpy(plan.node_rows()).to(slot_mapping.device)
-        return cls(TreeNodes.build(plan, context_lens, metadata.block_table), slot_mapping[rows].long())
+        return cls(tree_nodes(plan, context_lens, metadata.block_table), slot_mapping[rows].long())
 
     def add_cache(self, kv_cache: torch.Tensor) -> None:
         self.caches.setdefault(kv_cache.data_ptr(), kv_cache)
@@ -180,15 +159,24 @@ class TreeKVGroup:
         compact_kv(list(self.caches.values()), head_size, layout, self.slots[moves.to(self.slots.device)])
 
 
-def apply_tree_attention(impl: object, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
-                         output: torch.Tensor, nodes: TreeNodes, variant: AttentionVariant | None = None) -> None:
-    """Overwrite the draft rows of branching trees in ``output`` with tree attention (their keys
-    and values are already in ``kv_cache``)."""
-    rows, variant = query.shape[0], variant or AttentionVariant()
-    tree_attention(query.reshape(rows, -1), kv_cache, layout, nodes.rows, nodes.block_table, nodes.request,
-                   nodes.context, nodes.index, nodes.ancestors, impl.num_heads, impl.scale,
-                   output.view(output.shape[0], -1), window=variant.window, softcap=variant.softcap,
-                   sinks=variant.sinks)
+@dataclass(frozen=True)
+class TreeLayer:
+    """One attention layer as tree attention reads and computes it (fixed when the runner starts)."""
+
+    attention: LayerAttention
+    layout: KVLayout
+
+    @classmethod
+    def of(cls, impl: object, layout: KVLayout) -> TreeLayer:
+        return cls(layer_attention(impl), layout)
+
+
+def apply_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, nodes: TreeNodes,
+                         tree_layer: TreeLayer) -> None:
+    """Overwrite the recomputed draft rows in a layer's ``output`` with tree attention (their
+    keys and values are already in ``kv_cache``)."""
+    tree_attention(query.reshape(query.shape[0], -1), kv_cache, output.view(output.shape[0], -1), nodes,
+                   tree_layer.layout, tree_layer.attention)
 
 
 def compact_kv(kv_caches: Sequence[torch.Tensor], head_size: int, layout: KVLayout, moves: torch.Tensor) -> None:
