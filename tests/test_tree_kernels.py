@@ -625,8 +625,12 @@ def on_cuda(value):
     return torch.from_numpy(np.asarray(value)).cuda()
 
 
-def assert_cuda_walks_match(batch: dict, expected) -> None:
-    """``accept_trees`` on CUDA copies of ``batch`` walks exactly as ``expected`` (the CPU's)."""
+VOCABS = [7, 50, 1100, 40000]  # vocabularies from tiny to Llama-sized
+
+
+def assert_cuda_walks_like_cpu(batch: dict) -> None:
+    """``accept_trees`` on CUDA copies of ``batch`` walks exactly as on the CPU."""
+    expected = verify(accept_trees, batch)
     got = verify(accept_trees, {k: on_cuda(v) for k, v in batch.items()})
     for name in ("out_tokens", "path_nodes", "num_accepted"):
         assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(expected, name)), name
@@ -635,11 +639,8 @@ def assert_cuda_walks_match(batch: dict, expected) -> None:
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
 @pytest.mark.parametrize("seed", range(20))
 def test_cuda_lazy_and_sparse_rows_match_cpu(seed):
-    vocab = [7, 50, 1100, 40000][seed % 4]
-    batch = lazy_batch(3000 + seed, vocab, sparse=seed % 2 == 1)
-    expected = verify(accept_trees, batch)
-
-    assert_cuda_walks_match(batch, expected)
+    batch = lazy_batch(3000 + seed, VOCABS[seed % 4], sparse=seed % 2 == 1)
+    assert_cuda_walks_like_cpu(batch)
     logits = batch["scores"][: len(batch["rules"])]
     sampling = RowSampling(*(np.asarray(v) for v in vars(batch["sampling"]).values()))
     rows = target_distributions(on_cuda(logits), on_cuda(sampling))
@@ -711,8 +712,5 @@ def test_keyed_rule_needs_positions():
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA build of _C and a GPU")
 @pytest.mark.parametrize("seed", range(12))
 def test_cuda_keyed_rule_matches_cpu(seed):
-    vocab = [7, 50, 1100, 40000][seed % 4]
-    batch = keyed_batch(4000 + seed, vocab, lazy=seed % 2 == 1)
-    expected = verify(accept_trees, batch)
-
-    assert_cuda_walks_match(batch, expected)
+    batch = keyed_batch(4000 + seed, VOCABS[seed % 4], lazy=seed % 2 == 1)
+    assert_cuda_walks_like_cpu(batch)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vllm_retrieval_spec.goodput.cost_model import StepCostModel
+from vllm_retrieval_spec.goodput.cost_model import StepCostModel, tree_work
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class NodeCandidates:
         """``[rows, N]``: thousands of node-context pairs tree attention recomputes per node."""
         if self.main_path is None or self.context_tokens is None:
             return np.zeros(self.path_chance.shape)
-        return ~self.main_path * (np.asarray(self.context_tokens, np.float64)[:, None] / 1000.0)
+        return tree_work(~self.main_path, np.asarray(self.context_tokens)[:, None])
 
     def sampled(self) -> np.ndarray:
         return np.zeros(len(self.path_chance), bool) if self.samples is None else np.asarray(self.samples, bool)

@@ -37,6 +37,14 @@ COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "samp
 FEATURES = len(COST_TERMS)
 RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0])  # a typical step's value of each feature
 OUTLIER_FACTOR = 3.0
+
+
+def tree_work(recomputed_nodes: np.ndarray | float, context_tokens: np.ndarray | float) -> np.ndarray:
+    """The cost model's ``W``: thousands of (node, context token) pairs tree attention recomputes
+    for ``recomputed_nodes`` nodes each reading ``context_tokens`` tokens."""
+    return np.asarray(recomputed_nodes, np.float64) * np.asarray(context_tokens, np.float64) / 1000.0
+
+
 WARM_UP_STEPS = 8
 
 

@@ -40,6 +40,7 @@ from vllm_retrieval_spec.candidates import DraftQ
 from vllm_retrieval_spec.datastores.live_index import LiveIndex, LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
+from vllm_retrieval_spec.goodput.cost_model import tree_work
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.verification import tree_attention as ops
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
@@ -252,7 +253,7 @@ class SpecSession:
         depth = torch.from_numpy(plan.depth).to(device, runner.positions.dtype)
         runner.positions[node_rows] = runner.positions[roots] + depth
         self._context_lens = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + 1
-        self._tree_work = float(np.dot(plan.off_chain_counts(), self._context_lens)) / 1000.0
+        self._tree_work = float(tree_work(plan.off_chain_counts(), self._context_lens).sum())
         self.stats.tree_steps += 1
         self.stats.tree_requests += int((plan.sizes > 0).sum())
         self.stats.branching_requests += int(plan.branching.sum())
