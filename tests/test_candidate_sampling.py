@@ -21,9 +21,10 @@ from conftest import running_engine
 pytestmark = pytest.mark.engine
 
 # Every earlier colour recurs, so REST's context source drafts at every step with several
-# candidates per node; the next colour is uncertain for the model. 82 tokens: two full KV blocks
-# of 32 are shared by every request (prefix caching), so 2,000 requests cost little prefill.
-PROMPT = "red, blue, green, red, blue, yellow, red, green, blue, red, yellow, green, blue, " * 3 + "red, blue,"
+# candidates per node; the next colour is uncertain for the model. 65 tokens: two full KV blocks
+# of 32 are shared by every request (prefix caching) and each prefills one token of its own.
+COLOURS = "red, blue, green, red, blue, yellow, red, green, blue, red, yellow, green, blue, "
+PROMPT = "- " + COLOURS * 2 + "red, blue, green, red, blue, yellow,"
 BLOCK_SIZE = 32
 REQUESTS = 2000
 MAX_TOKENS = 4

@@ -11,7 +11,7 @@ from vllm_retrieval_spec.evaluation.engine import EngineSpec, GenerationRun, gen
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
 
-from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, running_engine
+from conftest import BATCH1_PROMPTS, CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, running_engine
 
 pytestmark = pytest.mark.server
 
@@ -29,7 +29,8 @@ def test_server_outputs_equal_no_speculation(rest_server, e2e_prompts, baseline_
     server = rest_server
     client = openai_client(server.base_url)
     before = server.spec_decode_counters()
-    run = run_prompts(client, server.served_model_name, e2e_prompts, E2E_MAX_TOKENS, concurrency)
+    prompts = e2e_prompts[:BATCH1_PROMPTS] if mode == "batch1" else e2e_prompts
+    run = run_prompts(client, server.served_model_name, prompts, E2E_MAX_TOKENS, concurrency)
     counters = server.spec_decode_counters() - before
     assert_same_token_ids(baseline_runs[mode], GenerationRun(run.records, counters, run.seconds))
     assert counters.accepted_tokens > 0

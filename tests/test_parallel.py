@@ -48,7 +48,7 @@ ALPHABET = 3  # few distinct tokens: many in-context matches, branching trees, s
 # (seconds per clock reading, seconds per target step): on rank 1 drafting looks 500 times
 # dearer, so alone it skips its searches at first, and it learns another step cost.
 CLOCKS = ((0.0002, 0.030), (0.1, 0.090))
-PRIOR = (0.04, 0.002, 0.0015, 0.0001, 0.0002, 0.0005)  # the CPU prior but cheap tree attention: trees branch
+PRIOR = (0.04, 0.002, 0.0015, 0.0001, 0.0002, 0.0005, 0.0008)  # the CPU prior but cheap tree attention: trees branch
 
 
 class FakeClock:
@@ -94,7 +94,7 @@ def drafting_run(tree: bool, rank: int, clock: SharedClock | None) -> Trace:
     sequences = [truth(row) for row in range(ROWS)]
     lengths = [PROMPT_TOKENS] * ROWS
     trace = Trace()
-    scheduled = ROWS
+    drafted = 0
     with mock.patch("time.perf_counter", perf_counter):
         for step in range(STEPS):
             emitted = [1 + (step + row) % 3 for row in range(ROWS)]
@@ -102,10 +102,10 @@ def drafting_run(tree: bool, rank: int, clock: SharedClock | None) -> Trace:
             lengths = [length + count for length, count in zip(lengths, emitted)]
             num_tokens, token_ids = vllm_buffers([s[:n].tolist() for s, n in zip(sequences, lengths)], MAX_MODEL_LEN)
             perf_counter.now += step_seconds  # the target step
-            session.begin_step(req_ids, scheduled)
+            session.begin_step(req_ids, ROWS + drafted, num_draft_tokens=drafted)
             drafts = proposer.propose(sampled, num_tokens, token_ids)
             session.end_step()
-            scheduled = ROWS + sum(map(len, drafts))
+            drafted = sum(map(len, drafts))
             trace.drafts.append(drafts)
             trace.trees.append({req: (state.tree.tokens, state.tree.parents) for req, state in session.requests.items()
                                 if state.tree_step == session.step})

@@ -7,11 +7,18 @@ target (chi-squared, fixed seeds) and no two (seed, position) pairs share a coun
 engine (SmolLM2, float32 on CPU): the same seeded requests give identical token ids in chain and
 tree mode, with a proposer that drafts nothing, alone or among 31 others, and before or after
 other requests filled the output index; and through the OpenAI server.
+
+CI runs the engine and server checks at a scale that fits its time (32 seeded requests, every
+eighth also alone, 20 filling the index; 12 through the server); ``VRS_SEEDED_SCALE=issue`` runs
+them at issue 23's: 200 seeded requests (50 per setting) among up to 31 others, every one of them
+also alone, before and after 500 other requests, in the engine and through the server.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +101,22 @@ def test_seeds_and_positions_never_share_a_counter():
 
 K = 8
 MAX_TOKENS = 16
-PER_SETTING = 8  # 32 seeded requests over the four settings below (the issue's 200: set 50)
+
+
+@dataclass(frozen=True)
+class SeededScale:
+    """How many seeded requests the engine and server checks run."""
+
+    per_setting: int  # seeded requests per sampling setting (four settings)
+    alone_every: int  # every n-th of them runs once more, one at a time
+    filling: int  # other requests that fill the output index in between
+    server_per_setting: int
+
+
+SCALES = {"ci": SeededScale(per_setting=8, alone_every=8, filling=20, server_per_setting=3),
+          "issue": SeededScale(per_setting=50, alone_every=1, filling=500, server_per_setting=50)}
+SCALE = SCALES[os.environ.get("VRS_SEEDED_SCALE", "ci")]
+CONCURRENT = 32  # each batched request runs among up to 31 others
 SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9),
             dict(temperature=1.0, top_k=50)]
 # vLLM's CPU matmuls round differently at other batch shapes (chain, tree and no-draft steps
@@ -103,17 +125,16 @@ SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, 
 # 512). Identical logits give identical tokens (the kernel tests); across configurations at most
 # one request in NUMERICAL_SHARE may differ.
 NUMERICAL_SHARE = 10
-ALONE_EVERY = 8  # these requests run once more, one at a time
 FIXED = {"budget": "fixed"}  # draft at every step, also where the goodput budget would not
 
 
-def rest_spec(model_dir, max_num_seqs: int = 32, proposer: str = "vllm_retrieval_spec.RestProposer",
+def rest_spec(model_dir, max_num_seqs: int = CONCURRENT, proposer: str = "vllm_retrieval_spec.RestProposer",
               **options) -> EngineSpec:
     return EngineSpec(model_dir, speculative_config={"model": proposer, "num_speculative_tokens": K},
                       additional_config={"retrieval_spec": {**FIXED, **options}}, max_num_seqs=max_num_seqs)
 
 
-def seeded_requests(prompts: list[str], per_setting: int = PER_SETTING,
+def seeded_requests(prompts: list[str], per_setting: int = SCALE.per_setting,
                     max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict]]:
     """(prompt, sampling) pairs: ``per_setting`` for every setting, distinct seeds, prompts in turn."""
     return [(prompts[i % len(prompts)], dict(setting, seed=1000 * s + i, max_tokens=max_tokens))
@@ -125,6 +146,11 @@ def run(llm, requests: list[tuple[str, dict]]) -> list[list[int]]:
 
     outputs = llm.generate([p for p, _ in requests], [SamplingParams(**s) for _, s in requests], use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def filling_requests(prompts: list[str], max_tokens: int) -> list[tuple[str, dict]]:
+    """``SCALE.filling`` unseeded requests over ``prompts`` in turn, for the output index to learn."""
+    return [(prompts[i % len(prompts)], dict(temperature=0.8, max_tokens=max_tokens)) for i in range(SCALE.filling)]
 
 
 def run_alone(llm, requests: list[tuple[str, dict]]) -> list[list[int]]:
@@ -139,12 +165,11 @@ def requests(e2e_prompts) -> list[tuple[str, dict]]:
 @pytest.fixture(scope="module")
 def chain_tokens(model_dir, requests, e2e_prompts) -> dict[str, list[list[int]]]:
     """REST K = 8 chains with the output index: the batch, some requests alone, and the batch
-    again after 20 other requests filled the output index."""
+    again after other requests filled the output index."""
     with running_engine(rest_spec(model_dir)) as llm:
         first = run(llm, requests)
-        alone = run_alone(llm, requests[::ALONE_EVERY])
-        others = [(p, dict(temperature=0.8, max_tokens=32)) for p in e2e_prompts]
-        run(llm, others)
+        alone = run_alone(llm, requests[::SCALE.alone_every])
+        run(llm, filling_requests(e2e_prompts, 32))
         index = drafter_of(llm).session.output_index
         index.wait()
         assert len(index.tokens) > 0
@@ -154,7 +179,7 @@ def chain_tokens(model_dir, requests, e2e_prompts) -> dict[str, list[list[int]]]
 @pytest.mark.engine
 def test_seeded_requests_repeat_alone_and_after_the_output_index_learned(chain_tokens, requests):
     assert chain_tokens["after"] == chain_tokens["first"]
-    assert chain_tokens["alone"] == chain_tokens["first"][::ALONE_EVERY]
+    assert chain_tokens["alone"] == chain_tokens["first"][::SCALE.alone_every]
 
 
 @pytest.mark.engine
@@ -189,7 +214,6 @@ def test_seeded_requests_with_features_applied_at_some_positions_only_are_refuse
 
 # ---- through the OpenAI server --------------------------------------------------------------
 
-SERVER_PER_SETTING = 3  # 12 requests
 SERVER_MAX_TOKENS = 24
 TESTS_DIR = str(Path(__file__).resolve().parent)
 OUTPUT_INDEX_DRAFTS = r'^vllm_retrieval_spec:draft_tokens_total{[^}]*source="output_index"[^}]*} ([0-9.e+]+)$'
@@ -222,17 +246,17 @@ def output_index_drafts(server: VllmServer) -> float:
 def test_seeded_requests_repeat_through_the_openai_server(model_dir, e2e_prompts):
     """REST K = 8 chains: all at once, one at a time, and all at once again after other requests
     filled the output index; against a server whose proposer drafts nothing."""
-    server_requests = seeded_requests(e2e_prompts[:6], SERVER_PER_SETTING, SERVER_MAX_TOKENS)
+    server_requests = seeded_requests(e2e_prompts[:6], SCALE.server_per_setting, SERVER_MAX_TOKENS)
     with server_of(rest_spec(model_dir)) as server:
-        first = served(server, server_requests, len(server_requests))
+        first = served(server, server_requests, CONCURRENT)
         alone = served(server, server_requests, 1)
-        served(server, [(p, dict(temperature=0.8, max_tokens=16)) for p in e2e_prompts], 8)
+        served(server, filling_requests(e2e_prompts, 16), 8)
         before = output_index_drafts(server)
-        after = served(server, server_requests, len(server_requests))
+        after = served(server, server_requests, CONCURRENT)
         assert output_index_drafts(server) > before  # the output index drafted
         assert server.spec_decode_counters().accepted_tokens > 0
     with server_of(rest_spec(model_dir, proposer="vrs_test_proposers.NoDraftProposer")) as server:
-        undrafted = served(server, server_requests, len(server_requests))
+        undrafted = served(server, server_requests, CONCURRENT)
     assert alone == first
     assert after == first
     assert_nearly_all_equal(undrafted, first)

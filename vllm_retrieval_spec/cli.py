@@ -39,17 +39,29 @@ EXIT_BAD_INPUT = 2  # as argparse's usage errors
 EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}\''
 
 
+SNAPSHOT_SHUTDOWN_SECONDS = 30  # vLLM's wait for its workers at shutdown when the output index is saved
+
+
 class CommandLineError(ValueError):
     """Arguments that cannot work together or do not parse (reported in one line)."""
 
 
 def serve(vllm_args: Sequence[str]) -> None:
     """Run ``vllm serve`` with our plugin in the same interpreter, after :func:`check_serve`."""
-    check_serve(vllm_args)
-    _run_vllm_main(["serve", *vllm_args])
+    _run_vllm_main(_serve_command(vllm_args))
 
 
-def check_serve(vllm_args: Sequence[str]) -> None:
+def _serve_command(vllm_args: Sequence[str]) -> list[str]:
+    """vLLM's command line for ``serve`` after :func:`check_serve`: with ``output_index_path``
+    and no ``--shutdown-timeout``, SNAPSHOT_SHUTDOWN_SECONDS for the workers to save the output
+    index when the server stops (vLLM's default, 0, kills them at once)."""
+    options = check_serve(vllm_args)
+    if not options.output_index_path or _flag_value(vllm_args, "--shutdown-timeout") is not None:
+        return ["serve", *vllm_args]
+    return ["serve", *vllm_args, "--shutdown-timeout", str(SNAPSHOT_SHUTDOWN_SECONDS)]
+
+
+def check_serve(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
     """Fail in the front end, before any engine process starts: on bad ``retrieval_spec``
     options, a missing or corrupt datastore or n-gram table of the configured proposer (both
     checked before vLLM is imported), or an unsupported vLLM. Prepares this process for vLLM on
@@ -64,6 +76,7 @@ def check_serve(vllm_args: Sequence[str]) -> None:
     _check_artifacts_early(vllm_args, options)
     _patch_version_lookup()
     require_supported_vllm()
+    return options
 
 
 def _run_vllm_main(vllm_args: Sequence[str]) -> None:
@@ -401,8 +414,7 @@ def _run(argv: list[str]) -> list[str] | None:
     """Run our command; for ``serve`` and ``vllm``, check ours, prepare the process and return
     vLLM's command line."""
     if argv[:1] == ["serve"]:
-        check_serve(argv[1:])
-        return argv
+        return _serve_command(argv[1:])
     if argv[:1] == ["vllm"]:
         _prepare_vllm_process()
         return argv[1:]

@@ -24,6 +24,16 @@ class SpecDecodeCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """vLLM's: 1 + accepted / drafts (drafted steps only); None without drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None without drafts."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
     def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         return self._combine(other, operator.sub)
 
@@ -62,12 +72,8 @@ def summarize(records: Sequence[GenerationRecord], counters: SpecDecodeCounters)
         generated_tokens=generated,
         decode_steps=steps,
         honest_tokens_per_step=(generated - len(records)) / steps if steps else 1.0,
-        vllm_mean_acceptance_length=(
-            1 + counters.accepted_tokens / counters.drafts if counters.drafts else None
-        ),
-        acceptance_rate=(
-            counters.accepted_tokens / counters.draft_tokens if counters.draft_tokens else None
-        ),
+        vllm_mean_acceptance_length=counters.mean_acceptance_length,
+        acceptance_rate=counters.acceptance_rate,
         drafts=counters.drafts,
         draft_tokens=counters.draft_tokens,
         accepted_tokens=counters.accepted_tokens,

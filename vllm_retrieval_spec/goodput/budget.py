@@ -219,12 +219,13 @@ class GoodputBudget:
 
     def log_summary(self) -> None:
         """The learned step cost and what the budget kept and saw accepted (logged periodically)."""
-        a, b, c, d, e, f = (1000 * x for x in self.cost.coefficients)
+        a, b, c, d, e, f, g = (1000 * x for x in self.cost.coefficients)
         stats = self.stats
         logger.info(
             "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.3f ms/thousand tree-attention "
-            "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step; kept %d of %d candidate nodes "
-            "over %d steps (%d drafted), %d of %d observed nodes accepted, %d searches skipped", a, b, c, d, e, f,
+            "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step + %.3f ms/prefill token; kept %d "
+            "of %d candidate nodes over %d steps (%d drafted), %d of %d observed nodes accepted, %d searches "
+            "skipped", a, b, c, d, e, f, g,
             stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps, stats.accepted_nodes,
             stats.observed_nodes, stats.skipped_rows,
         )

@@ -1,13 +1,16 @@
 """The running engine's step-cost curve, learned online from real steps.
 
 One target step (drafting excluded) takes
-``t(B, N, W, S) = a + b·B + c·(N − B) + d·W + e·S + f·[W > 0]`` seconds for ``B`` requests,
-``N`` scheduled tokens (``N − B``: drafts to verify and prefill beyond one token per request),
-``W`` thousands of (tree node × context token) pairs that tree attention recomputes (the nodes
-after each branching tree's leading chain, each over its request's context; ``f`` is what a step
-with any such node pays once: the per-layer kernel calls and the KV compaction) and ``S`` draft
-tokens of requests that sample (temperature > 0: verifying them needs the target's distribution,
-not only its argmax). The fit is least squares over decaying sums, pulled towards a start-up prior
+``t(B, N, W, S, P) = a + b·B + c·(N − B − P) + d·W + e·S + f·[W > 0] + g·P`` seconds for ``B``
+requests, ``N`` scheduled tokens (``N − B − P`` of them drafts to verify), ``P`` prompt tokens
+beyond one per request (prefill chunks, far cheaper per token on a CPU, whose matmuls gain
+efficiency with the token count: in one term with the drafts, a few long prefills pulled the
+fitted draft cost to half its true value and the chooser drafted too deep), ``W`` thousands of
+(tree node × context token) pairs that tree attention recomputes (the nodes after each branching
+tree's leading chain, each over its request's context; ``f`` is what a step with any such node
+pays once: the per-layer kernel calls and the KV compaction) and ``S`` draft tokens of requests
+that sample (temperature > 0: verifying them needs the target's distribution, not only its
+argmax). The fit is least squares over decaying sums, pulled towards a start-up prior
 by a ridge worth ``prior_steps`` steps, so that the per-token cost ``c`` stays sensible while steps
 do not yet vary in their token counts. Steps far slower than predicted (an idle engine waiting for
 requests) are not learned from. On tensor-parallel engines the step times are the first rank's
@@ -22,20 +25,21 @@ import numpy as np
 
 from vllm_retrieval_spec.goodput.ranks import SharedClock
 
-# Start-up priors (seconds): base, per request, per extra token, per thousand tree-attention
-# node-context pairs, per sampled draft token, per step with tree attention; the data replaces
-# them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree terms as learned at batch 1,
+# Start-up priors (seconds): base, per request, per draft token, per thousand tree-attention
+# node-context pairs, per sampled draft token, per step with tree attention, per prefill token;
+# the data replaces them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree terms as learned at batch 1,
 # results/acceptance_code_edit_n10_t128_c1_item5_grain.json). CUDA: a 7B-shaped bf16
 # stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens (benchmarks/verify_cost.py,
 # results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
 # 4,000 tokens (results/tree_attention_cuda.json).
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005),
-    "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005),
+    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005, 0.0008),
+    "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005, 0.000018),
 }
-COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step")
+COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step",
+              "prefill_token")
 FEATURES = len(COST_TERMS)
-RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0])  # a typical step's value of each feature
+RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0, 64.0])  # a typical step's value of each feature
 OUTLIER_FACTOR = 3.0
 
 
@@ -72,7 +76,7 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> np.ndarray:
-        """``(a, b, c, d, e, f)`` in seconds, each at least zero (``COST_TERMS``)."""
+        """``(a, b, c, d, e, f, g)`` in seconds, each at least zero (``COST_TERMS``)."""
         if self._theta is None:
             self._theta = self._solve()
         return self._theta
@@ -97,27 +101,31 @@ class StepCostModel:
         return float(self.coefficients[5])
 
     def predict(self, num_reqs: float, num_tokens: np.ndarray | float, tree_work: np.ndarray | float = 0,
-                sampled: np.ndarray | float = 0) -> np.ndarray:
-        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens, ``tree_work``
-        thousand tree-attention node-context pairs and ``sampled`` draft tokens of requests
-        that sample."""
-        a, b, c, d, e, f = self.coefficients
-        extra = np.asarray(num_tokens, np.float64) - num_reqs
+                sampled: np.ndarray | float = 0, prefill_tokens: float = 0) -> np.ndarray:
+        """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens (of which
+        ``prefill_tokens`` prompt tokens beyond one per request, the rest beyond ``num_reqs``
+        drafts), ``tree_work`` thousand tree-attention node-context pairs and ``sampled`` draft
+        tokens of requests that sample."""
+        a, b, c, d, e, f, g = self.coefficients
+        drafts = np.asarray(num_tokens, np.float64) - num_reqs - prefill_tokens
         tree_work = np.asarray(tree_work, np.float64)
-        return a + b * num_reqs + c * extra + d * tree_work + e * np.asarray(sampled) + f * (tree_work > 0)
+        return (a + b * num_reqs + c * drafts + d * tree_work + e * np.asarray(sampled) + f * (tree_work > 0)
+                + g * prefill_tokens)
 
     def observe(self, seconds: float, num_reqs: int, num_tokens: int, tree_work: float = 0.0,
-                sampled: int = 0) -> bool:
+                sampled: int = 0, prefill_tokens: int = 0) -> bool:
         """Learn from one step; False when it was rejected as an outlier."""
         if self.clock is not None:
             seconds = self.clock.shared(seconds)
         if num_reqs <= 0 or seconds <= 0:
             return False
-        predicted = float(self.predict(num_reqs, num_tokens, tree_work, sampled))
+        prefill_tokens = min(max(prefill_tokens, 0), max(num_tokens - num_reqs, 0))
+        predicted = float(self.predict(num_reqs, num_tokens, tree_work, sampled, prefill_tokens))
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
             self.rejected += 1
             return False
-        x = np.array([1.0, num_reqs, max(num_tokens - num_reqs, 0), tree_work, sampled, float(tree_work > 0)])
+        drafts = max(num_tokens - num_reqs - prefill_tokens, 0)
+        x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens])
         self._xx = self.forgetting * self._xx + np.outer(x, x)
         self._xy = self.forgetting * self._xy + x * seconds
         self.steps += 1

@@ -78,6 +78,8 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
            "compilation_config"),
     *_many(INPUT_BATCH, "InputBatch", INSTANCE, "req_ids num_reqs temperature_cpu token_ids_cpu "
            "num_tokens_no_spec req_id_to_index generators num_computed_tokens_cpu"),
+    # serve's --shutdown-timeout (cli.py: time for the workers to save the output index)
+    VllmSymbol("vllm.engine.arg_utils", "EngineArgs.shutdown_timeout", FIELD),
     *_many("vllm.v1.core.sched.output", "SchedulerOutput", FIELD,
            "finished_req_ids total_num_scheduled_tokens scheduled_spec_decode_tokens"),
     *_many("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", FIELD,

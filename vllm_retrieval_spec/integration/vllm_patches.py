@@ -290,10 +290,10 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                     sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
             batch = runner.input_batch
+            drafts = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
             session.begin_step(batch.req_ids, scheduler_output.total_num_scheduled_tokens,
-                               batch.temperature_cpu[: batch.num_reqs] > 0)
+                               batch.temperature_cpu[: batch.num_reqs] > 0, sum(drafts or ()))
             if reads_hidden_states:
-                drafts = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
                 session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids)
             try:
                 return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

@@ -122,14 +122,16 @@ class SpecSession:
     # ------------------------------------------------------------------ drafting side
 
     def begin_step(self, req_ids: Sequence[str], num_scheduled_tokens: int = 0,
-                   samples: np.ndarray | None = None) -> None:
+                   samples: np.ndarray | None = None, num_draft_tokens: int = 0) -> None:
         """The runner is about to call ``propose``: ``req_ids`` are its input-batch rows, the
-        target step just run scheduled ``num_scheduled_tokens`` tokens and ``samples`` tells
+        target step just run scheduled ``num_scheduled_tokens`` tokens, ``num_draft_tokens`` of
+        them drafts (the rest beyond one per request: prompt tokens), and ``samples`` tells
         which rows' requests sample (temperature > 0)."""
         now = time.perf_counter()
         if self.budget is not None and self._step_started is not None:
+            prefill_tokens = num_scheduled_tokens - len(req_ids) - num_draft_tokens
             self.budget.cost.observe(now - self._step_started - self._draft_seconds, len(req_ids),
-                                     num_scheduled_tokens, self._tree_work, self._sampled_tokens)
+                                     num_scheduled_tokens, self._tree_work, self._sampled_tokens, prefill_tokens)
         self._step_started = now
         self.step += 1
         self.step_req_ids = list(req_ids)
