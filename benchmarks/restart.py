@@ -59,6 +59,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measure", type=int, default=100, help="requests measured on every server")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="vLLM's prefix caching on every server (the warm server's cache of recurring "
+                        "prompts is not ours to keep: --no-prefix-caching shows what the snapshot restores)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     if args.learn < 2 or args.measure < 1:
@@ -73,7 +76,8 @@ def split_requests(args: argparse.Namespace) -> tuple[list[LoadRequest], list[Lo
     return requests[: args.learn], requests[start: start + args.measure]
 
 
-def server(config: str, output_index_path: Path | None = None, log_name: str = "") -> VllmServer:
+def server(config: str, prefix_caching: bool, output_index_path: Path | None = None,
+           log_name: str = "") -> VllmServer:
     """A server of acceptance.py's ``config``, its output index saved to / loaded from
     ``output_index_path`` when given."""
     spec = CONFIGS[config]
@@ -82,7 +86,8 @@ def server(config: str, output_index_path: Path | None = None, log_name: str = "
         options = dict(additional.get("retrieval_spec", {}), output_index_path=str(output_index_path))
         additional["retrieval_spec"] = options
     return VllmServer(ensure_smollm2_checkpoint(), speculative_config=spec.get("speculative_config"),
-                      additional_config=additional or None, extra_args=["--max-num-seqs", "64"],
+                      additional_config=additional or None,
+                      extra_args=["--max-num-seqs", "64", *([] if prefix_caching else ["--no-enable-prefix-caching"])],
                       log_path=f"/tmp/vrs-restart-{log_name or config}.log")
 
 
@@ -114,20 +119,20 @@ def run_servers(args: argparse.Namespace, snapshot_dir: Path) -> list[dict[str, 
         settings = LoadSettings(running.served_model_name, args.concurrency, stream=False)
         run_load_sync(running.base_url, learning, settings, label=f"{label}: learning")
 
-    with server("none") as running:
+    with server("none", args.prefix_caching) as running:
         measure("none", running)
-    with server(args.config, None, "warm") as running:
+    with server(args.config, args.prefix_caching, None, "warm") as running:
         learn(running, "warm")
         measure("warm", running)
-    with server(args.config, snapshot_dir, "learner") as running:
+    with server(args.config, args.prefix_caching, snapshot_dir, "learner") as running:
         learn(running, "learner")
     if not snapshot_dirs(engine_snapshot_path(snapshot_dir, 0)):
         raise SystemExit(f"the learning server saved no output index under {snapshot_dir}")
-    with server(args.config, snapshot_dir, "restarted") as running:
+    with server(args.config, args.prefix_caching, snapshot_dir, "restarted") as running:
         measure("restarted", running)
-    with server(args.config, None, "cold") as running:
+    with server(args.config, args.prefix_caching, None, "cold") as running:
         measure("cold", running)
-    with server("none", None, "none_again") as running:
+    with server("none", args.prefix_caching, None, "none_again") as running:
         measure("none_again", running)
     for row, results in zip(rows, outputs):
         row["differing"] = count_differences(results, outputs[0])["differing"]
