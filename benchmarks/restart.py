@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tag = f"_{args.tag}" if args.tag else ""
     path = RESULTS / f"restart_{args.dataset.stem}_n{args.measure}_c{args.concurrency}{tag}.json"
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine": platform.platform(), "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+              "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
               "rows": [{k: round(v, ROUNDING) if isinstance(v, float) else v for k, v in row.items()} for row in rows]}
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(format_rows(rows))

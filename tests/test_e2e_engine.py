@@ -66,7 +66,10 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
 
 
 def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e_prompts, baseline_runs):
-    options = {"ngram_table": str(ngram_table_dir)}
+    """With a fixed budget: at batch 1 on these prompts the goodput budget rightly verifies almost
+    none of N-Grammys' drafts (~1.4 ms a draft token on this CPU for a ~15% chance), and this
+    test is about verifying them."""
+    options = {"ngram_table": str(ngram_table_dir), "budget": "fixed"}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.NGrammysProposer", options)) as llm:
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)
