@@ -30,7 +30,13 @@ from vllm_retrieval_spec.datastores.dense import DenseDatastore
 from vllm_retrieval_spec.datastores.dense_format import DenseDatastoreError
 from vllm_retrieval_spec.datastores.format import DatastoreError
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.datastores.output_snapshot import OutputSnapshotError, read_snapshot
+from vllm_retrieval_spec.datastores.output_snapshot import (
+    CALIBRATION,
+    OutputSnapshotError,
+    read_calibration,
+    read_snapshot,
+)
+from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.ngrams import table as ngram_table
 from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, mixed_drafts
@@ -38,6 +44,7 @@ from vllm_retrieval_spec.ngrams.table import NgramTable, NgramTableError
 from vllm_retrieval_spec.storage import MANIFEST, StorageError
 
 from vrs_artifacts import (
+    CALIBRATION_COUNTS,
     TINY_TOKENIZER,
     VOCAB,
     repetitive_documents,
@@ -108,6 +115,9 @@ def draft_ngrams(table: NgramTable) -> None:
 def open_output_snapshot(directory: Path) -> list[np.ndarray]:
     sequences = read_snapshot(directory.parent, TINY_TOKENIZER)  # the newest snapshot: the only one
     assert sequences is not None
+    counts = read_calibration(directory.parent, CALIBRATION_COUNTS)  # None: a manifest that lists none
+    if counts is not None:
+        AcceptanceCalibration().restore_counts(counts)
     return sequences
 
 
@@ -148,7 +158,8 @@ KINDS = {
                                               ngram_table.EXTENDED, ngram_table.UNIGRAM_RANKING)},
                                 False),
     "output-snapshot": ArtifactKind(write_output_snapshot, open_output_snapshot, draft_output_index,
-                                    OutputSnapshotError, {"tokens.bin": np.dtype(np.uint32)}, False),
+                                    OutputSnapshotError, {"tokens.bin": np.dtype(np.uint32), CALIBRATION: OPAQUE},
+                                    False),
 }
 
 

@@ -1,6 +1,7 @@
 """Output index snapshots (``output_index_path``): round trip with identical searches, refusal
 of foreign and corrupt snapshots (serving goes on empty), kill -9 during saves, the size bound,
-periodic saves and the save at runner shutdown."""
+periodic saves and the save at runner shutdown; the goodput calibration kept beside the index
+(round trip, refused counts relearned while the tokens serve on)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ import pytest
 from vllm_retrieval_spec.datastores.format import TokenizerIdentity
 from vllm_retrieval_spec.datastores.output_index import SEPARATOR, OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import (
+    CALIBRATION,
     TOKENS,
     OutputIndexSnapshots,
     OutputSnapshotError,
+    read_calibration,
     read_snapshot,
     snapshot_dirs,
 )
 from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
+from vllm_retrieval_spec.goodput.calibration import SHAPE, AcceptanceCalibration
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 
 VOCAB = 49_152  # SmolLM2's
@@ -275,11 +279,97 @@ def test_the_runner_keeps_its_engine_snapshot_and_saves_at_shutdown(model_dir, s
         model_config=SimpleNamespace(tokenizer=str(model_dir)),
         shutdown=lambda: calls.append("shutdown"),
     )
-    index = OutputIndex(4096, background=False)
-    snapshots = keep_output_index(runner, options, index)
+    index, calibration = OutputIndex(4096, background=False), learned_calibration()
+    snapshots = keep_output_index(runner, options, index, calibration)
     assert snapshots is runner.vrs_output_snapshots and snapshots.path == tmp_path / "snap.dp1"
     index.add(np.arange(7))
     runner.shutdown()
     assert calls == ["shutdown"] and snapshots.saves == 1
     assert [s.tolist() for s in read_snapshot(tmp_path / "snap.dp1", smollm2)] == [list(range(7))]
+    assert np.array_equal(read_calibration(tmp_path / "snap.dp1", (2, *SHAPE)), calibration.counts())
     assert keep_output_index(runner, RetrievalSpecOptions(), index) is None  # no path: not kept
+
+
+def learned_calibration(seed: int = 0, nodes: int = 5_000) -> AcceptanceCalibration:
+    """A calibration that observed ``nodes`` outcomes in random buckets (and decayed once)."""
+    rng = np.random.default_rng(seed)
+    calibration = AcceptanceCalibration(decay_every=3)
+    for _ in range(4):
+        bucket = rng.integers(0, np.prod(SHAPE), nodes // 4)
+        calibration.observe(bucket, rng.random(len(bucket)), rng.random(len(bucket)) < 0.4)
+        calibration.tick()
+    return calibration
+
+
+def test_calibration_round_trips_beside_the_index(smollm2, tmp_path):
+    """A restarted server ranks drafts with the chances the one it replaced learned."""
+    index, calibration = filled_index(requests=20), learned_calibration()
+    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, calibration=calibration)
+    snapshots.start()
+    index.add(np.arange(50))
+    snapshots.close()
+
+    restarted = AcceptanceCalibration()
+    assert OutputIndexSnapshots(OutputIndex(50_000, background=False), tmp_path / "snap", smollm2, 3600,
+                                writes=False, calibration=restarted).start()
+    assert np.array_equal(restarted.counts(), calibration.counts())
+    assert np.array_equal(restarted.accepted_coarse, calibration.accepted_coarse)
+    assert np.array_equal(restarted.observed_coarse, calibration.observed_coarse)
+    assert np.array_equal(restarted.chance_table().chance, calibration.chance_table().chance)
+    assert restarted.chance_table().chance.std() > 0  # learned, not the prior
+
+
+def test_a_snapshot_without_calibration_loads_its_tokens(smollm2, tmp_path):
+    """Snapshots saved without a budget (or by the previous version) leave the calibration at its prior."""
+    filled_index(requests=20).save(tmp_path / "snap", smollm2)
+    calibration = AcceptanceCalibration()
+    index = OutputIndex(50_000, background=False)
+    assert OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, writes=False,
+                                calibration=calibration).start()
+    assert index.native is not None and not calibration.observed.any()
+
+
+def _save_counts(counts: np.ndarray | bytes) -> Callable[[Path], None]:
+    """Replace the saved counts (checksum updated, so that only the content checks find them)."""
+    def save(directory: Path) -> None:
+        from vllm_retrieval_spec.storage import file_records
+
+        if isinstance(counts, bytes):
+            (directory / CALIBRATION).write_bytes(counts)
+        else:
+            np.save(directory / CALIBRATION, counts)
+        _edit_manifest(files=file_records(directory, [TOKENS, CALIBRATION]))(directory)
+
+    return save
+
+
+def _flip_a_calibration_byte(directory: Path) -> None:
+    data = bytearray((directory / CALIBRATION).read_bytes())
+    data[-8] ^= 0x40
+    (directory / CALIBRATION).write_bytes(bytes(data))
+
+
+BAD_COUNTS = {
+    "flipped byte": (_flip_a_calibration_byte, "sha256"),
+    "not an array": (_save_counts(b"garbage"), "is corrupt"),
+    "pickled objects": (_save_counts(np.array([None, {"a": 1}], dtype=object)), "is corrupt"),
+    "another layout": (_save_counts(np.zeros((2, 3))), "this version calibrates"),
+    "integers": (_save_counts(np.zeros((2, *SHAPE), np.int64)), "not float64"),
+    "negative counts": (_save_counts(np.full((2, *SHAPE), -1.0)), "negative or non-finite"),
+    "not finite": (_save_counts(np.full((2, *SHAPE), np.nan)), "negative or non-finite"),
+    "missing": (lambda d: (d / CALIBRATION).unlink(), "is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD_COUNTS)
+def test_refused_counts_are_relearned_and_the_tokens_serve_on(smollm2, tmp_path, caplog, damage):
+    damage_counts, message = BAD_COUNTS[damage]
+    saved = filled_index(requests=20).save(tmp_path / "snap", smollm2, learned_calibration().counts())
+    damage_counts(saved)
+    index, calibration = OutputIndex(50_000, background=False), AcceptanceCalibration()
+    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, writes=False, calibration=calibration)
+    with caplog.at_level(logging.ERROR):
+        assert snapshots.start() and index.native is not None
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and str(tmp_path / "snap") in errors[0] and message in errors[0], errors
+    assert "the budget relearns them" in errors[0] and not calibration.observed.any()

@@ -30,6 +30,7 @@ from vllm_retrieval_spec.datastores.format import (
     suffix_array_dtype_for,
     token_dtype_for,
 )
+from vllm_retrieval_spec.goodput.calibration import SHAPE as CALIBRATION_BUCKETS
 from vllm_retrieval_spec.ngrams import table as ngram_table
 from vllm_retrieval_spec.ngrams.table import ModelIdentity, extend_bigram
 from vllm_retrieval_spec.storage import file_records, sha256_of_file, write_manifest
@@ -37,6 +38,7 @@ from vllm_retrieval_spec.storage import file_records, sha256_of_file, write_mani
 VOCAB = 40
 TINY_MODEL = ModelIdentity("tiny", VOCAB, "c" * 64, "v" * 64)
 TINY_TOKENIZER = TokenizerIdentity("tiny", VOCAB, "v" * 64)
+CALIBRATION_COUNTS = (2, *CALIBRATION_BUCKETS)  # accepted and observed, as the budget saves them
 
 
 def repetitive_documents(seed: int, count: int = 6, length: int = 60, vocab: int = VOCAB) -> list[np.ndarray]:
@@ -129,7 +131,9 @@ def write_ngram_table(directory: Path, k: int = 3, w: int = 4) -> Path:
 
 def write_output_snapshot(path: Path) -> Path:
     """An output index snapshot under ``path`` of a few finished requests, as a server saves it;
-    returns the snapshot's own directory."""
+    returns the snapshot's own directory (with calibration counts of the kind the budget saves)."""
     from vllm_retrieval_spec.datastores.output_snapshot import write_snapshot
 
-    return write_snapshot(path, repetitive_documents(seed=2), TINY_TOKENIZER, capacity_tokens=4096)
+    counts = np.arange(np.prod(CALIBRATION_COUNTS), dtype=np.float64).reshape(CALIBRATION_COUNTS)
+    return write_snapshot(path, repetitive_documents(seed=2), TINY_TOKENIZER, capacity_tokens=4096,
+                          calibration=counts)

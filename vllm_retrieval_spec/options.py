@@ -135,9 +135,10 @@ class RetrievalSpecOptions:
     )
     output_index_path: str = _option(
         "", _string,
-        "REST: directory where the output index is saved (every output_index_save_seconds and at shutdown: "
-        "vllm-retrieval-spec serve adds --shutdown-timeout 30, plain vllm serve needs one > 0) and "
-        "loaded from at start, so a restarted server keeps what it learned; data-parallel engine i > 0 uses "
+        "REST: directory where the output index and the budget's calibration are saved (every "
+        "output_index_save_seconds and at shutdown: vllm-retrieval-spec serve adds --shutdown-timeout 30, plain "
+        "vllm serve needs one > 0) and loaded from at start, so a restarted server keeps what it learned; "
+        "data-parallel engine i > 0 uses "
         "PATH.dp<i> (empty: not saved)",
     )
     output_index_save_seconds: int = _option(

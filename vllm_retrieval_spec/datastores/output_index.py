@@ -93,12 +93,13 @@ class OutputIndex:
         if kept:
             self._build(kept)
 
-    def save(self, path: str | Path, tokenizer: TokenizerIdentity) -> Path:
-        """Save the kept sequences as a new snapshot under ``path`` (atomically, at most
-        ``capacity_tokens`` uint32 tokens); returns the snapshot's directory."""
+    def save(self, path: str | Path, tokenizer: TokenizerIdentity, calibration: np.ndarray | None = None) -> Path:
+        """Save the kept sequences (and ``calibration`` counts when given) as a new snapshot
+        under ``path`` (atomically, at most ``capacity_tokens`` uint32 tokens); returns the
+        snapshot's directory."""
         from vllm_retrieval_spec.datastores.output_snapshot import write_snapshot
 
-        return write_snapshot(Path(path), self.kept_sequences(), tokenizer, self.capacity_tokens)
+        return write_snapshot(Path(path), self.kept_sequences(), tokenizer, self.capacity_tokens, calibration)
 
     def load(self, path: str | Path, tokenizer: TokenizerIdentity) -> bool:
         """Restore the newest snapshot under ``path``; True when one was loaded. None there yet

@@ -7,8 +7,12 @@ server starts with what the one it replaced learned.
 
 - ``tokens.bin``: the kept sequences, oldest first, each followed by ``SEPARATOR``, as raw
   little-endian ``uint32`` (memory-mapped read-only on load);
+- ``calibration.npy`` (when the server's goodput budget has one): its decaying acceptance counts,
+  so that a restarted server ranks and cuts drafts as surely as the one it replaced instead of
+  relearning them (a snapshot without it, or with counts of another layout, loads the tokens
+  alone);
 - ``manifest.json``: format version, token and sequence counts, the tokenizer's identity (as
-  datastores record it), the size and sha256 of ``tokens.bin``, and when it was saved.
+  datastores record it), the size and sha256 of each file, and when it was saved.
 
 A save writes the next number and then deletes the older snapshots, so a save killed at any
 point leaves the previous snapshot whole (its temporary directory is removed by the next
@@ -29,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -54,7 +58,9 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 TOKENS = "tokens.bin"
+CALIBRATION = "calibration.npy"
 TOKEN_DTYPE = np.dtype("<u4")
+CALIBRATION_DTYPE = np.dtype("<f8")
 MAX_SNAPSHOT_TOKENS = 2**31 - 2  # the largest output_index_tokens
 _SNAPSHOT = re.compile(r"snapshot-(\d{8})")
 
@@ -75,8 +81,18 @@ OUTPUT_SNAPSHOT = ArtifactKind(
     required={"num_tokens": int, "num_sequences": int, "separator": int, "tokenizer": dict, "files": dict,
               "saved": dict},
     dtypes={"token_dtype": ("uint32",)},
-    data_files=(TOKENS,),
+    data_files=(TOKENS, CALIBRATION),
 )
+
+
+class SavedCounts(Protocol):
+    """Learned counts a snapshot keeps beside the index (the budget's acceptance calibration)."""
+
+    def counts(self) -> np.ndarray:
+        """A copy of the counts, as one float64 array."""
+
+    def restore_counts(self, counts: np.ndarray) -> None:
+        """Start from saved ``counts``; ``ValueError`` when their layout is not this version's."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +128,8 @@ class SnapshotManifest:
             "separator": (self.separator, int(SEPARATOR), int(SEPARATOR)),
             "tokenizer.vocab_size": (self.tokenizer.vocab_size, 1, MAX_VOCAB_SIZE),
         })
-        if set(self.files) != {TOKENS}:
-            raise OUTPUT_SNAPSHOT.corrupt(directory, f"'files' lists {sorted(self.files)}, not [{TOKENS!r}]")
+        if TOKENS not in self.files:
+            raise OUTPUT_SNAPSHOT.corrupt(directory, f"'files' lists {sorted(self.files)}, without {TOKENS!r}")
 
 
 def engine_snapshot_path(path: str | Path, engine_index: int) -> Path:
@@ -132,18 +148,22 @@ def snapshot_dirs(path: Path) -> list[Path]:
 
 
 def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: TokenizerIdentity,
-                   capacity_tokens: int) -> Path:
-    """Save ``sequences`` (oldest first) as the next snapshot under ``path`` and delete the older
-    ones once it is in place; returns its directory."""
+                   capacity_tokens: int, calibration: np.ndarray | None = None) -> Path:
+    """Save ``sequences`` (oldest first), and ``calibration`` counts when given, as the next
+    snapshot under ``path`` and delete the older ones once it is in place; returns its directory."""
     older = snapshot_dirs(path)
     number = int(_SNAPSHOT.fullmatch(older[-1].name)[1]) + 1 if older else 0
     target = path / f"snapshot-{number:08d}"
     with atomic_directory(target, kind=OUTPUT_SNAPSHOT) as building:
         num_tokens = _write_tokens(building / TOKENS, sequences)
+        names = [TOKENS]
+        if calibration is not None:
+            _write_calibration(building / CALIBRATION, calibration)
+            names.append(CALIBRATION)
         SnapshotManifest(
             format_version=FORMAT_VERSION, num_tokens=num_tokens, num_sequences=len(sequences),
             token_dtype="uint32", separator=int(SEPARATOR), tokenizer=tokenizer,
-            files=file_records(building, [TOKENS]),
+            files=file_records(building, names),
             saved={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "capacity_tokens": capacity_tokens},
         ).write(building)
         _sync(building / "manifest.json")
@@ -164,6 +184,13 @@ def _write_tokens(file: Path, sequences: Sequence[np.ndarray]) -> int:
     return sum(len(sequence) + 1 for sequence in sequences)
 
 
+def _write_calibration(file: Path, counts: np.ndarray) -> None:
+    with open(file, "wb") as handle:
+        np.save(handle, np.ascontiguousarray(counts, dtype=CALIBRATION_DTYPE), allow_pickle=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _sync(file: Path) -> None:
     with open(file, "rb") as handle:
         os.fsync(handle.fileno())
@@ -180,8 +207,34 @@ def read_snapshot(path: Path, tokenizer: TokenizerIdentity) -> list[np.ndarray] 
     manifest = SnapshotManifest.read(directory)
     _refuse_another_tokenizer(directory, manifest.tokenizer, tokenizer)
     tokens = map_array(directory / TOKENS, TOKEN_DTYPE, (manifest.num_tokens,), OUTPUT_SNAPSHOT)
-    verify_file_records(directory, manifest.files, OUTPUT_SNAPSHOT)
+    verify_file_records(directory, {TOKENS: manifest.files[TOKENS]}, OUTPUT_SNAPSHOT)  # counts: their own
     return _split(directory / TOKENS, tokens, manifest)
+
+
+def read_calibration(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The calibration counts of the newest snapshot under ``path`` (None when it has none):
+    checked against their checksum, a float64 ``.npy`` of ``shape`` without objects, finite and
+    non-negative. ``OutputSnapshotError`` naming the file otherwise."""
+    saved = snapshot_dirs(path)
+    if not saved:
+        return None
+    directory = saved[-1]
+    manifest = SnapshotManifest.read(directory)
+    if CALIBRATION not in manifest.files:
+        return None
+    verify_file_records(directory, {CALIBRATION: manifest.files[CALIBRATION]}, OUTPUT_SNAPSHOT)
+    file = directory / CALIBRATION
+    try:
+        counts = np.load(file, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt ({error})") from error
+    if counts.dtype != CALIBRATION_DTYPE:
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: counts of dtype {counts.dtype}, not float64")
+    if counts.shape != tuple(shape):
+        raise OUTPUT_SNAPSHOT.fail(f"{file} holds counts of shape {counts.shape}, this version calibrates {shape}")
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: negative or non-finite counts")
+    return counts
 
 
 def _refuse_another_tokenizer(directory: Path, saved: TokenizerIdentity, served: TokenizerIdentity) -> None:
@@ -213,15 +266,17 @@ def _split(file: Path, tokens: np.ndarray, manifest: SnapshotManifest) -> list[n
 
 
 class OutputIndexSnapshots:
-    """An output index kept on disk: :meth:`start` loads its snapshot (a refused one is logged
-    and the index starts empty) and, when ``writes``, saves it from a daemon thread every
+    """An output index kept on disk, with the ``calibration`` counts when given: :meth:`start`
+    loads its snapshot (a refused one is logged and the index starts empty; refused counts are
+    logged and relearned) and, when ``writes``, saves it from a daemon thread every
     ``interval_seconds`` when requests finished since the last save; :meth:`close` (also run at
     interpreter exit) stops the thread and saves a last time. Saving never raises: a failed
     save is logged and tried again at the next interval."""
 
     def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
-                 *, writes: bool = True) -> None:
+                 *, writes: bool = True, calibration: SavedCounts | None = None) -> None:
         self.index = index
+        self.calibration = calibration
         self.path = Path(path)
         self.tokenizer = tokenizer
         self.interval_seconds = interval_seconds
@@ -236,6 +291,8 @@ class OutputIndexSnapshots:
     def start(self) -> bool:
         """Load the snapshot and start saving; True when a snapshot was loaded."""
         loaded = self.index.load(self.path, self.tokenizer)
+        if loaded and self.calibration is not None:
+            self._restore_calibration(self.calibration)
         self._saved_changes = self.index.stats.sequences_added
         if self.writes:
             self._thread = threading.Thread(target=self._save_periodically, daemon=True, name="vrs-output-snapshot")
@@ -250,7 +307,8 @@ class OutputIndexSnapshots:
             if changes == self._saved_changes:
                 return False
             try:
-                self.index.save(self.path, self.tokenizer)
+                counts = None if self.calibration is None else self.calibration.counts()
+                self.index.save(self.path, self.tokenizer, counts)
             except Exception as error:  # disk full, permissions, something in the way: serving goes on
                 logger.error("vllm_retrieval_spec: saving the output index to %s failed (%s); serving goes on and "
                              "the next save tries again", self.path, error)
@@ -258,6 +316,20 @@ class OutputIndexSnapshots:
             self._saved_changes = changes
             self.saves += 1
             return True
+
+    def _restore_calibration(self, calibration: SavedCounts) -> None:
+        """Start the calibration from the snapshot's counts; whatever is wrong with them is
+        logged and the calibration relearns from its prior (the tokens serve on)."""
+        try:
+            counts = read_calibration(self.path, calibration.counts().shape)
+            if counts is not None:
+                calibration.restore_counts(counts)
+        except Exception as error:
+            logger.error("vllm_retrieval_spec: the calibration counts saved under %s were refused (%s); the budget "
+                         "relearns them and the next save replaces them", self.path, error)
+            return
+        if counts is not None:
+            logger.info("vllm_retrieval_spec: goodput calibration restored from %s", self.path)
 
     def close(self) -> None:
         """Stop the periodic saves and save a last time (once; later calls do nothing)."""

@@ -105,6 +105,22 @@ class AcceptanceCalibration:
         depth0 = (self.accepted[:, :, 0] + strength * RAW_PRIOR_SCALE) / (observed + strength)
         return float(min(depth0[observed > 0].max(), MAX_CHANCE))
 
+    def counts(self) -> np.ndarray:
+        """A copy of the decaying counts, ``[accepted, observed]`` (what an output index snapshot
+        saves; the per-(source, depth) sums follow from them)."""
+        return np.stack([self.accepted, self.observed])
+
+    def restore_counts(self, counts: np.ndarray) -> None:
+        """Start from saved :meth:`counts` (a copy taken mid-step may hold an acceptance whose
+        observation it missed: accepted counts are capped by the observed ones)."""
+        if counts.shape != (2, *SHAPE):
+            raise ValueError(f"counts of shape {counts.shape}, not {(2, *SHAPE)}")
+        self.observed = np.array(counts[1], np.float64)
+        self.accepted = np.minimum(counts[0], self.observed)
+        self.accepted_coarse = self.accepted.sum(axis=(1, 3))
+        self.observed_coarse = self.observed.sum(axis=(1, 3))
+        self._table_stale = True
+
     def observe(self, bucket: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Record the outcome of every node whose parent was accepted (one step's worth)."""
         hits = accepted.astype(np.float64)

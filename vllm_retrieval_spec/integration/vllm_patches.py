@@ -25,7 +25,7 @@ from vllm_retrieval_spec.compat import UnsupportedVllmError, is_supported_versio
 from vllm_retrieval_spec.datastores.live_index import LiveIndex
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, engine_snapshot_path
-from vllm_retrieval_spec.goodput import GoodputBudget
+from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget
 from vllm_retrieval_spec.integration.metrics import attach_metrics, engine_label, tensor_parallel_rank
 from vllm_retrieval_spec.integration.patch_surface import (
     require_instance_attributes,
@@ -265,7 +265,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
-        keep_output_index(runner, options, output_index)
+        keep_output_index(runner, options, output_index, None if budget is None else budget.calibration)
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index,
                           live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None)
@@ -313,18 +313,19 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     return session
 
 
-def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions,
-                      index: OutputIndex) -> OutputIndexSnapshots | None:
-    """With ``output_index_path``: load this engine's snapshot into ``index`` now (every
-    tensor-parallel rank, so that all draft alike), then save it from the first rank every
-    ``output_index_save_seconds`` and when vLLM shuts the runner down."""
+def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, index: OutputIndex,
+                      calibration: AcceptanceCalibration | None = None) -> OutputIndexSnapshots | None:
+    """With ``output_index_path``: load this engine's snapshot into ``index`` (and the budget's
+    ``calibration``) now (every tensor-parallel rank, so that all draft alike), then save both
+    from the first rank every ``output_index_save_seconds`` and when vLLM shuts the runner down."""
     if not options.output_index_path:
         return None
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
 
     path = engine_snapshot_path(options.output_index_path, int(engine_label(runner.vllm_config)))
     snapshots = OutputIndexSnapshots(index, path, tokenizer_identity(runner.model_config.tokenizer),
-                                     options.output_index_save_seconds, writes=tensor_parallel_rank() == 0)
+                                     options.output_index_save_seconds, writes=tensor_parallel_rank() == 0,
+                                     calibration=calibration)
     snapshots.start()
     runner.vrs_output_snapshots = snapshots
 
