@@ -3,12 +3,15 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "bindings.h"
 #include "context_ngram.h"
@@ -321,7 +324,7 @@ struct RestInputs {
 };
 
 template <typename Tok, typename Idx>
-void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* output,
+void run_rest(const vrs::StoreShards<Tok, Idx>* store, const vrs::OutputIndex* output,
               const RestInputs& inputs, const TokenMatrix<Cpu>& tokens, const ConstVector<Cpu>& lengths,
               const ConstVector<Cpu>& rows, const vrs::RestParams& prm, RestArrays& out,
               int num_threads) {
@@ -335,7 +338,7 @@ void run_rest(const vrs::SuffixIndex<Tok, Idx>* index, const vrs::OutputIndex* o
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
     std::optional<vrs::GivenContinuations> dense_row, live_row;
-    vrs::rest_retrieve_one(index, output, inputs.extras(r, dense_row, live_row), token_data + row * row_len,
+    vrs::rest_retrieve_one(store, output, inputs.extras(r, dense_row, live_row), token_data + row * row_len,
                            length_data[row], prm, trie, out.row(r, prm));
   });
 }
@@ -349,6 +352,30 @@ auto visit_index(const SuffixStore& store, Fn&& fn) {
   return wide ? fn(store.index<uint32_t, int64_t>()) : fn(store.index<uint32_t, int32_t>());
 }
 
+// The shards' indexes, typed as the first's (tokens Tok, suffix array Idx).
+template <typename Tok, typename Idx>
+std::vector<vrs::SuffixIndex<Tok, Idx>> shard_indexes(const std::vector<const SuffixStore*>& stores) {
+  std::vector<vrs::SuffixIndex<Tok, Idx>> shards;
+  shards.reserve(stores.size());
+  for (const SuffixStore* shard : stores) shards.push_back(shard->index<Tok, Idx>());
+  return shards;
+}
+
+// fn(shards) with the shards typed by the token and suffix-array dtypes all shards of a store share.
+template <typename Fn>
+void visit_shards(const std::vector<const SuffixStore*>& stores, Fn&& fn) {
+  for (const SuffixStore* shard : stores)
+    if (shard == nullptr || shard->tokens.dtype() != stores[0]->tokens.dtype() ||
+        shard->suffix_array.dtype() != stores[0]->suffix_array.dtype() || shard->separator != stores[0]->separator)
+      throw std::invalid_argument("the shards of a store must share their token and suffix-array dtypes and separator");
+  visit_index(*stores[0], [&](const auto& first) {
+    using Tok = std::remove_cv_t<std::remove_pointer_t<decltype(first.tokens)>>;
+    using Idx = std::remove_cv_t<std::remove_pointer_t<decltype(first.suffix_array)>>;
+    const std::vector<vrs::SuffixIndex<Tok, Idx>> shards = shard_indexes<Tok, Idx>(stores);
+    fn(vrs::StoreShards<Tok, Idx>{shards.data(), static_cast<int>(shards.size())});
+  });
+}
+
 // The output index's arrays: uint32 tokens and an int32 suffix array (OutputIndex).
 std::optional<vrs::OutputIndex> output_index_of(const SuffixStore* output) {
   if (output == nullptr) return std::nullopt;
@@ -358,7 +385,8 @@ std::optional<vrs::OutputIndex> output_index_of(const SuffixStore* output) {
   return output->index<uint32_t, int32_t>();
 }
 
-nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, TokenMatrix<Cpu> tokens,
+nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, const SuffixStore* output,
+                       TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows, const vrs::RestParams& prm,
                        std::optional<GivenTokens> dense_tokens, std::optional<TokenMatrix<Cpu>> dense_lengths,
                        std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
@@ -374,11 +402,11 @@ nb::dict rest_retrieve(const SuffixStore* store, const SuffixStore* output, Toke
   RestArrays out(num_rows, prm, profile);
   const std::optional<vrs::OutputIndex> output_index = output_index_of(output);
   const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
-  if (store == nullptr || !prm.use_datastore) {
+  if (!store || store->empty() || !prm.use_datastore) {
     run_rest<uint16_t, int32_t>(nullptr, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    visit_index(*store, [&](const auto& index) {
-      run_rest(&index, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
+    visit_shards(*store, [&](const auto& shards) {
+      run_rest(&shards, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
     });
   }
   return out.as_dict();
@@ -466,7 +494,8 @@ void bind_rest(nb::module_& m) {
         nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
-        "REST drafts for tokens[rows]: datastore (unless store is None or params.use_datastore "
+        "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
+        "suffix array over their concatenation; unless store is None or params.use_datastore "
         "is false) + output index (unless output is None) + given dense and live continuations + "
         "context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "

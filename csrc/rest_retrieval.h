@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "context_ngram.h"
+#include "sharded_store.h"
 
 namespace vrs {
 
@@ -460,6 +461,70 @@ void insert_continuations(const SuffixIndex<Tok, Idx>& index, int64_t lo, int64_
   }
 }
 
+// A datastore REST searches: one or more shards (suffix arrays over their own documents) searched
+// as one suffix array over their concatenated tokens (sharded_store.h).
+template <typename Tok, typename Idx>
+struct StoreShards {
+  const SuffixIndex<Tok, Idx>* shards;
+  int count;
+};
+
+// The longest match in any shard (the same n as one array over all of them: occurrence in the
+// union is monotone in n too) and every shard's range for it (empty where it does not occur).
+template <typename Tok, typename Idx>
+int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx, int n, const RestParams& prm,
+                          std::vector<ShardRange>& ranges) {
+  ranges.assign(store.count, ShardRange{});
+  if (store.count == 1) return longest_datastore_match(store.shards[0], ctx, n, prm, &ranges[0].lo, &ranges[0].hi);
+  auto occurs_anywhere = [&](int len) {
+    int64_t first, bucket_end;
+    for (int s = 0; s < store.count; ++s)
+      if (store.shards[s].occurs(ctx + n - len, len, &first, &bucket_end)) return true;
+    return false;
+  };
+  int low = std::max(prm.n_min, 1), high = std::min(prm.n_max, n), best = 0;
+  while (low <= high) {
+    const int mid = low + (high - low) / 2;
+    if (occurs_anywhere(mid)) {
+      best = mid;
+      low = mid + 1;
+    } else {
+      high = mid - 1;
+    }
+  }
+  for (int s = 0; best > 0 && s < store.count; ++s) {
+    const SuffixIndex<Tok, Idx>& shard = store.shards[s];
+    int64_t first, bucket_end;
+    if (shard.occurs(ctx + n - best, best, &first, &bucket_end))
+      ranges[s] = {first, shard.upper_bound(ctx + n - best, best, first, bucket_end)};
+  }
+  return best;
+}
+
+// insert_continuations over the shards' ranges as one: the evenly strided ranks of their union
+// in lexicographic order, each found by selection (ShardSelector).
+template <typename Tok, typename Idx>
+void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std::vector<ShardRange>& ranges,
+                                  int match_len, int max_matches, int cont_len, int8_t source,
+                                  ContinuationTrie& trie) {
+  if (store.count == 1) {
+    insert_continuations(store.shards[0], ranges[0].lo, ranges[0].hi, match_len, max_matches, cont_len, source, trie);
+    return;
+  }
+  int64_t found = 0;
+  for (const ShardRange& range : ranges) found += range.size();
+  const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
+  std::vector<int64_t> targets(take);
+  for (int j = 0; j < take; ++j) targets[j] = (j * found) / take;
+  std::vector<ShardEntry> entries(take);
+  ShardSelector<SuffixIndex<Tok, Idx>>(store.shards, match_len, cont_len)
+      .select(ranges, targets.data(), take, 0, entries.data());
+  for (const ShardEntry& entry : entries) {
+    const SuffixIndex<Tok, Idx>& shard = store.shards[entry.shard];
+    insert_continuations(shard, entry.index, entry.index + 1, match_len, 1, cont_len, source, trie);
+  }
+}
+
 // The output index of finished requests: uint32 tokens, int32 suffix array.
 using OutputIndex = SuffixIndex<uint32_t, int32_t>;
 
@@ -480,21 +545,26 @@ struct RestExtras {
 };
 
 template <typename Tok, typename Idx>
-void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* output, RestExtras extras,
+void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* output, RestExtras extras,
                        const int32_t* ctx, int n, const RestParams& prm, ContinuationTrie& trie,
                        RestOutput out) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  int64_t lo = 0, hi = 0, out_lo = 0, out_hi = 0;
+  thread_local std::vector<ShardRange> ranges;
+  ranges.clear();
+  int64_t found = 0, out_lo = 0, out_hi = 0;
   int ds_len = 0, out_len = 0;
-  if (prm.use_datastore && index != nullptr && index->size > 0)
-    ds_len = longest_datastore_match(*index, ctx, n, prm, &lo, &hi);
+  if (prm.use_datastore && store != nullptr && store->count > 0) {
+    ds_len = longest_sharded_match(*store, ctx, n, prm, ranges);
+    for (const ShardRange& range : ranges) found += range.size();
+  }
   if (output != nullptr && output->size > 0 && prm.output_max_matches > 0 && prm.output_weight > 0)
     out_len = longest_datastore_match(*output, ctx, n, prm, &out_lo, &out_hi);
   auto t1 = clock::now();
 
   trie.reset(prm, extras.table);
-  if (ds_len > 0) insert_continuations(*index, lo, hi, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
+  if (ds_len > 0)
+    insert_sharded_continuations(*store, ranges, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
   if (out_len > 0)
     insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
   insert_given(extras.dense, prm.dense_weight, prm.cont_len, kFromDense, trie);
@@ -525,7 +595,7 @@ void rest_retrieve_one(const SuffixIndex<Tok, Idx>* index, const OutputIndex* ou
   const auto clamp32 = [](int64_t v) { return static_cast<int32_t>(std::min<int64_t>(v, INT32_MAX)); };
   out.match_info[0] = ds_len;
   out.match_info[1] = ctx_len;
-  out.match_info[2] = clamp32(hi - lo);
+  out.match_info[2] = clamp32(found);
   out.match_info[3] = out_len;
   out.match_info[4] = clamp32(out_hi - out_lo);
   out.match_info[5] = live_len;

@@ -1,5 +1,5 @@
 """Fuzzing of everything read from disk: hypothesis corrupts a tiny artifact of every kind (REST
-datastore, dense datastore per index type, n-gram table, output index snapshot) by truncating,
+datastore, single-array and sharded, dense datastore per index type, n-gram table, output index snapshot) by truncating,
 extending, flipping, reordering, retyping or overwriting with extreme values any of its files,
 manifest included (and the manifest's values by JSON-aware edits: wrong types, huge numbers,
 missing or extra keys). Opening and drafting must then end in a clear refusal (the artifact's
@@ -36,6 +36,7 @@ from vllm_retrieval_spec.datastores.output_snapshot import (
     read_calibration,
     read_snapshot,
 )
+from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
 from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.ngrams import table as ngram_table
@@ -51,6 +52,7 @@ from vrs_artifacts import (
     write_dense_store,
     write_ngram_table,
     write_output_snapshot,
+    write_sharded_store,
     write_token_store,
 )
 
@@ -85,7 +87,7 @@ def assert_drafted_ids(tokens: np.ndarray, sizes: np.ndarray, vocab_size: int) -
         assert ((row[:size] >= 0) & (row[:size] < vocab_size)).all(), row[:size]
 
 
-def draft_rest(store: TokenDatastore) -> None:
+def draft_rest(store: TokenDatastore | ShardedDatastore) -> None:
     drafts = rest_retrieve(store, CONTEXT_TOKENS, CONTEXT_LENGTHS, ROWS, REST_PARAMS)
     vocab = store.manifest.tokenizer.vocab_size
     assert_drafted_ids(drafts.chain_tokens, drafts.chain_size, vocab)
@@ -149,6 +151,11 @@ KINDS = {
     "rest": ArtifactKind(functools.partial(write_token_store, documents=repetitive_documents(seed=0)),
                          TokenDatastore.open, draft_rest, DatastoreError,
                          {"tokens.bin": np.dtype(np.uint16), "suffix_array.bin": np.dtype(np.int32)}, True),
+    "rest-sharded": ArtifactKind(
+        functools.partial(write_sharded_store, shards=[repetitive_documents(seed=3), repetitive_documents(seed=4)]),
+        open_datastore, draft_rest, DatastoreError,
+        {f"shard-0000{i}/{name}": dtype for i in range(2)
+         for name, dtype in (("tokens.bin", np.dtype(np.uint16)), ("suffix_array.bin", np.dtype(np.int32)))}, True),
     **{f"dense-{index_type}": ArtifactKind(functools.partial(write_dense_store, index_type=index_type),
                                            DenseDatastore.open, draft_dense, DenseDatastoreError, _DENSE_FILES, True)
        for index_type in ("flat", "ivf_flat", "ivf_pq")},

@@ -37,8 +37,10 @@ def make_store(documents: list[list[int]], token_dtype=np.uint16, sa_dtype=np.in
     tokens = np.array(flat, dtype=token_dtype)
     suffix_array = divsufsort(tokens).astype(sa_dtype) if len(tokens) else np.zeros(0, sa_dtype)
     offsets = None if vocab_size is None else first_token_offsets(tokens, separator, vocab_size)
-    return SimpleNamespace(tokens=tokens, suffix_array=suffix_array, separator=separator,
-                           first_token_offsets=offsets)
+    store = SimpleNamespace(tokens=tokens, suffix_array=suffix_array, separator=separator,
+                            first_token_offsets=offsets)
+    store.shards = (store,)  # one suffix array
+    return store
 
 
 def pack(contexts):

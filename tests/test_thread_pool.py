@@ -108,6 +108,7 @@ def test_threaded_rest_equals_single_threaded(num_threads):
     store_tokens[::97] = np.iinfo(np.uint16).max  # document separators
     store = SimpleNamespace(tokens=store_tokens, suffix_array=divsufsort(store_tokens),
                             separator=int(np.iinfo(np.uint16).max))
+    store.shards = (store,)
     tokens, lengths = repetitive_contexts(64, 200, 5, seed=2)
     params = RestParams(n_max=8, top_k=16, chain_len=6)
 

@@ -74,6 +74,25 @@ def write_token_store(directory: Path, documents: list[np.ndarray],
     return directory
 
 
+def write_sharded_store(directory: Path, shards: list[list[np.ndarray]],
+                        tokenizer: TokenizerIdentity = TINY_TOKENIZER) -> Path:
+    """A sharded REST datastore: each of ``shards`` (a list of documents) a store of its own."""
+    from vllm_retrieval_spec.datastores import sharded
+
+    directory.mkdir(parents=True)
+    names = [sharded.shard_name(i) for i in range(len(shards))]
+    for name, documents in zip(names, shards):
+        write_token_store(directory / name, documents, tokenizer)
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    sharded.ShardedManifest(
+        format_version=sharded.FORMAT_VERSION, shards=names,
+        num_tokens=sum(len(document) + 1 for documents in shards for document in documents),
+        num_documents=sum(len(documents) for documents in shards), token_dtype=dtype.name,
+        separator=separator_for(dtype), tokenizer=tokenizer, build={},
+    ).write(directory)
+    return directory
+
+
 def index_spec(index_type: str, positions: int) -> IndexSpec:
     """A small index of ``index_type``: 4 lists (2 probed), PQ of 2 x 4 bits."""
     if index_type == "flat":

@@ -264,7 +264,8 @@ def _datastore_build(args: argparse.Namespace) -> None:
             raise CommandLineError("datastore build: --out DIR is required with --input")
         inputs = input_specs_of(args)
         out = Path(args.out)
-    print(build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra).describe())
+    print(build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra,
+                          shard_tokens=args.shard_tokens, workers=args.workers).describe())
 
 
 def _datastore_build_dense(args: argparse.Namespace) -> None:
@@ -280,16 +281,16 @@ def _datastore_from_server(args: argparse.Namespace) -> None:
 
 
 def _datastore_inspect(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.datastores import TokenDatastore
     from vllm_retrieval_spec.datastores.dense import DenseDatastore
     from vllm_retrieval_spec.datastores.dense_format import is_dense_datastore
+    from vllm_retrieval_spec.datastores.sharded import open_datastore
 
     if is_dense_datastore(args.path):
         store = DenseDatastore.open(args.path)
         print(store.describe())
         print("  checks: ok (transform finite, token ids in the vocabulary, index matches the manifest)")
     else:
-        store = TokenDatastore.open(args.path)
+        store = open_datastore(args.path)
         print(store.describe())
         print("  quick checks: ok (separators, suffix array a permutation, first-token buckets, sampled suffix order)")
     if args.full:
@@ -357,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_input_arguments(build, "python-code")
     build.add_argument("--replace", action="store_true",
                        help="rebuild an existing datastore (only a datastore or an empty directory is replaced)")
+    build.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                       help="build a sharded store: shards of consecutive documents of at most N tokens each "
+                       "(at most 2^31 - 1), which REST searches as one suffix array; the sort's peak memory "
+                       "follows N, not the corpus (default: one suffix array)")
+    build.add_argument("--workers", type=int, default=1,
+                       help="with --shard-tokens: shards sorted at once, each in its own process (default 1)")
     build.set_defaults(handler=_datastore_build)
     inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
     inspect.add_argument("path")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -25,6 +25,8 @@ from vllm_retrieval_spec.datastores.format import (
     suffix_array_dtype_for,
     token_dtype_for,
 )
+from vllm_retrieval_spec.datastores.sharded import FORMAT_VERSION as SHARDED_FORMAT_VERSION
+from vllm_retrieval_spec.datastores.sharded import MAX_SHARD_TOKENS, ShardedManifest, shard_name
 from vllm_retrieval_spec.datastores.sources import ChatRenderer, DocumentStream, InputSpec
 from vllm_retrieval_spec.storage import (
     TOKENIZER_FILES,
@@ -90,50 +92,158 @@ def build_datastore(
     replace: bool = False,
     progress: bool = True,
     extra_build_info: dict[str, Any] | None = None,
+    shard_tokens: int | None = None,
+    workers: int = 1,
 ) -> BuildReport:
-    """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``."""
+    """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``; with
+    ``shard_tokens``, a sharded one (``sharded.py``): shards of consecutive documents of at most
+    that many tokens (a longer document gets a shard of its own), sorted by ``workers``
+    processes, so that the peak memory follows the shard size, not the corpus size."""
     out_dir = Path(out_dir)
+    if shard_tokens is not None:
+        _check_shard_request(out_dir, replace, shard_tokens, workers)
     check_build_target(out_dir, replace, DATASTORE)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
     token_dtype = token_dtype_for(identity.vocab_size)
-    render_chat = chat_renderer(tokenizer)
-    stream = DocumentStream(inputs, render_chat)
+    stream = DocumentStream(inputs, chat_renderer(tokenizer))
+    build = {
+        "inputs": [{"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
+                    "text_field": s.text_field} for s in inputs],
+        "tokenizer_dir": str(tokenizer_dir),
+        "package_version": __version__,
+        **(extra_build_info or {}),
+    }
     start = time.perf_counter()
     with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
-        with open(tmp / TOKENS, "wb") as handle:
-            num_tokens, num_documents = _write_tokens(tokenizer, stream, handle, token_dtype, progress)
+        files = ShardFiles(tmp, shard_tokens)
+        _write_tokens(tokenizer, stream, files, token_dtype, progress)
         tokenize_seconds = time.perf_counter() - start
-        sort_seconds = _write_suffix_array(tmp, num_tokens, token_dtype)
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            num_tokens=num_tokens,
-            num_documents=num_documents,
-            token_dtype=token_dtype.name,
-            suffix_array_dtype=suffix_array_dtype_for(num_tokens).name,
-            separator=separator_for(token_dtype),
-            tokenizer=identity,
-            files=file_records(tmp, (TOKENS, SUFFIX_ARRAY)),
-            build={
-                "inputs": [
-                    {"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
-                     "text_field": s.text_field}
-                    for s in inputs
-                ],
-                "tokenizer_dir": str(tokenizer_dir),
-                "files_read": stream.files_read,
-                "files_skipped_binary": stream.files_skipped,
-                "package_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "seconds": round(time.perf_counter() - start, 2),
-                **(extra_build_info or {}),
-            },
-        )
-        manifest.write(tmp)
+        build |= {"files_read": stream.files_read, "files_skipped_binary": stream.files_skipped}
+        shards = _finish_shards(files.written, identity, build, start, workers, progress and shard_tokens is not None)
+        if shard_tokens is not None:
+            build |= {"shard_tokens": shard_tokens, "workers": workers}
+            _sharded_manifest(files.written, token_dtype, identity, build, start).write(tmp)
     seconds = time.perf_counter() - start
-    size = sum(f["bytes"] for f in manifest.files.values())
-    return BuildReport(out_dir, num_tokens, num_documents, seconds, tokenize_seconds, sort_seconds, size,
+    return BuildReport(out_dir, sum(s.num_tokens for s in shards), sum(s.num_documents for s in shards), seconds,
+                       tokenize_seconds, sum(s.sort_seconds for s in shards), sum(s.bytes_on_disk for s in shards),
                        stream.files_read, stream.files_skipped)
+
+
+def _check_shard_request(out_dir: Path, replace: bool, shard_tokens: int, workers: int) -> None:
+    if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
+        raise ValueError(f"--shard-tokens must lie in [1, {MAX_SHARD_TOKENS:,}] (int32 suffix arrays), "
+                         f"not {shard_tokens:,}")
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, not {workers}")
+    if replace and out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists and --replace does not replace sharded stores: remove it yourself "
+                              "or choose another output directory")
+
+
+@dataclass
+class ShardWritten:
+    """One shard's token file as tokenizing left it (the whole store's when not sharded)."""
+
+    directory: Path
+    num_tokens: int = 0
+    num_documents: int = 0
+
+
+class ShardFiles:
+    """Where tokenized documents go: ``tokens.bin`` of the store, or with ``shard_tokens`` of
+    ``shard-NNNNN/`` directories, a new one started when the next document would overflow the
+    current one (there is always one, empty when there are no documents)."""
+
+    def __init__(self, directory: Path, shard_tokens: int | None) -> None:
+        self.directory = directory
+        self.shard_tokens = shard_tokens
+        self.written: list[ShardWritten] = []
+        self._next_shard()
+
+    def write(self, documents: list[np.ndarray]) -> None:
+        """Append ``documents`` (each ending with its separator)."""
+        if self.shard_tokens is None:
+            self._append(documents)
+            return
+        start = pending = 0  # documents[start:i] wait to be written, holding pending tokens
+        for i, document in enumerate(documents):
+            filled = self.written[-1].num_tokens + pending
+            if filled and filled + len(document) > self.shard_tokens:
+                self._append(documents[start:i])
+                self._next_shard()
+                start, pending = i, 0
+            pending += len(document)
+        self._append(documents[start:])
+
+    def _append(self, documents: list[np.ndarray]) -> None:
+        if not documents:
+            return
+        shard = self.written[-1]
+        chunk = np.concatenate(documents)
+        with open(shard.directory / TOKENS, "ab") as handle:
+            handle.write(chunk.tobytes())
+        shard.num_tokens += len(chunk)
+        shard.num_documents += len(documents)
+
+    def _next_shard(self) -> None:
+        directory = self.directory if self.shard_tokens is None else self.directory / shard_name(len(self.written))
+        directory.mkdir(exist_ok=True)
+        (directory / TOKENS).write_bytes(b"")
+        self.written.append(ShardWritten(directory))
+
+
+@dataclass(frozen=True)
+class ShardBuilt:
+    num_tokens: int
+    num_documents: int
+    sort_seconds: float
+    bytes_on_disk: int
+
+
+def _finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any], start: float,
+                   workers: int, progress: bool) -> list[ShardBuilt]:
+    """Sort every shard's suffixes and write its manifest, ``workers`` shards at a time (the
+    build ``start``ed at that ``time.perf_counter()``, a clock every process shares)."""
+    jobs = [(shard, identity, build, start) for shard in written]
+    if workers == 1 or len(jobs) == 1:
+        return [_finish_shard(*job) for job in tqdm(jobs, desc="sorting shards", unit="shard", disable=not progress)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Spawned, not forked: a fork of this process (the tokenizer's and tqdm's threads) can deadlock.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+        return list(tqdm(pool.map(_finish_shard, *zip(*jobs)), total=len(jobs), desc="sorting shards",
+                         unit="shard", disable=not progress))
+
+
+def _finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[str, Any], start: float) -> ShardBuilt:
+    """Sort one shard's suffixes and write its manifest (a datastore of its own)."""
+    token_dtype = token_dtype_for(identity.vocab_size)
+    sort_seconds = _write_suffix_array(shard.directory, shard.num_tokens, token_dtype)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, num_tokens=shard.num_tokens, num_documents=shard.num_documents,
+        token_dtype=token_dtype.name, suffix_array_dtype=suffix_array_dtype_for(shard.num_tokens).name,
+        separator=separator_for(token_dtype), tokenizer=identity,
+        files=file_records(shard.directory, (TOKENS, SUFFIX_ARRAY)),
+        build={**build, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "seconds": round(time.perf_counter() - start, 2)},
+    )
+    manifest.write(shard.directory)
+    return ShardBuilt(shard.num_tokens, shard.num_documents, sort_seconds,
+                      sum(f["bytes"] for f in manifest.files.values()))
+
+
+def _sharded_manifest(written: list[ShardWritten], token_dtype: np.dtype, identity: TokenizerIdentity,
+                      build: dict[str, Any], start: float) -> ShardedManifest:
+    return ShardedManifest(
+        format_version=SHARDED_FORMAT_VERSION, shards=[shard.directory.name for shard in written],
+        num_tokens=sum(s.num_tokens for s in written), num_documents=sum(s.num_documents for s in written),
+        token_dtype=token_dtype.name, separator=separator_for(token_dtype), tokenizer=identity,
+        build={**build, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "seconds": round(time.perf_counter() - start, 2)},
+    )
 
 
 def chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
@@ -161,8 +271,8 @@ def document_batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -
         yield batch
 
 
-def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, handle: BinaryIO, dtype: np.dtype,
-                  progress: bool) -> tuple[int, int]:
+def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, files: ShardFiles, dtype: np.dtype,
+                  progress: bool) -> None:
     backend = tokenizer.backend_tokenizer
     separator = np.array([separator_for(dtype)], dtype=dtype)
     num_tokens = num_documents = 0
@@ -173,18 +283,13 @@ def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, ha
     with bar:
         for batch in document_batches(stream):
             encodings = backend.encode_batch_fast(batch, add_special_tokens=False)
-            pieces = []
-            for encoding in encodings:
-                pieces.append(np.asarray(encoding.ids, dtype=dtype))
-                pieces.append(separator)
-            chunk = np.concatenate(pieces)
-            handle.write(chunk.tobytes())
-            num_tokens += len(chunk)
+            documents = [np.concatenate([np.asarray(encoding.ids, dtype=dtype), separator]) for encoding in encodings]
+            files.write(documents)
+            num_tokens += sum(len(document) for document in documents)
             num_documents += len(batch)
             bar.update(stream.files_seen - bar.n if total_files is not None else len(batch))
             rate = num_tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(docs=num_documents, tokens=f"{num_tokens / 1e6:.1f}M", tok_s=f"{rate / 1e6:.2f}M")
-    return num_tokens, num_documents
 
 
 def _write_suffix_array(directory: Path, num_tokens: int, token_dtype: np.dtype) -> float:

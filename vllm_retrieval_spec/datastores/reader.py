@@ -78,6 +78,11 @@ class TokenDatastore(VerifiedInBackground):
     def separator(self) -> int:
         return self.manifest.separator
 
+    @property
+    def shards(self) -> tuple[TokenDatastore]:
+        """The suffix arrays REST searches as one: this store's own (see ``sharded.py``)."""
+        return (self,)
+
     def check_quickly(self, seed: int | None = None) -> None:
         """Structural checks run at every open, under a second for 100M tokens: the tokens end
         with a separator; the suffix array (C++, ``csrc/store_check.h``) is a permutation

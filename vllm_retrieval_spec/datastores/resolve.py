@@ -7,6 +7,7 @@ from pathlib import Path
 from vllm_retrieval_spec.datastores.format import DatastoreError, TokenizerIdentity
 from vllm_retrieval_spec.datastores.reader import TokenDatastore
 from vllm_retrieval_spec.datastores.recipes import available_recipes, recipe_store_dir
+from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
 
 
 def tokenizer_identity(tokenizer_dir: str | Path) -> TokenizerIdentity:
@@ -41,14 +42,16 @@ def resolve_datastore_dir(option: str, tokenizer: TokenizerIdentity) -> Path:
     )
 
 
-def open_datastore_for_model(option: str, tokenizer_dir: str | Path) -> tuple[TokenDatastore, TokenizerIdentity]:
-    """Open the store named by ``option`` and check it against the model's tokenizer. A store
-    given by path is opened before the tokenizer loads, so a missing or corrupt one fails at once."""
+def open_datastore_for_model(option: str,
+                             tokenizer_dir: str | Path) -> tuple[TokenDatastore | ShardedDatastore, TokenizerIdentity]:
+    """Open the store (single-array or sharded) named by ``option`` and check it against the
+    model's tokenizer. A store given by path is opened before the tokenizer loads, so a missing or
+    corrupt one fails at once."""
     path = as_directory(option)
     if path is None:
         identity = tokenizer_identity(tokenizer_dir)
-        return TokenDatastore.open(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity
-    store = TokenDatastore.open(path)
+        return open_datastore(resolve_datastore_dir(option, identity), expected_tokenizer=identity), identity
+    store = open_datastore(path)
     identity = tokenizer_identity(tokenizer_dir)
     store.check_tokenizer(identity)
     return store, identity

@@ -127,8 +127,8 @@ def rest_retrieve(
     profile: bool = False,
 ) -> RestDrafts:
     """Draft for ``tokens[rows]`` (vLLM's ``token_ids_cpu`` layout) from ``store`` (a
-    :class:`~vllm_retrieval_spec.datastores.TokenDatastore`, or None for context only; one no
-    longer ``usable`` counts as None),
+    :class:`~vllm_retrieval_spec.datastores.TokenDatastore` or ``ShardedDatastore``, or None for
+    context only; one no longer ``usable`` counts as None),
     ``output_index`` (the ``native`` build of an
     :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None) and ``dense``
     continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
@@ -178,11 +178,13 @@ def native_suffix_store(store: Any) -> Any:
                                         getattr(store, "first_token_offsets", None))
 
 
-def _drafting_store(store: Any) -> Any:
-    """``store`` as the kernel drafts from it: None for no store, or for a
-    :class:`~vllm_retrieval_spec.datastores.TokenDatastore` that is no longer ``usable`` (its
+def _drafting_store(store: Any) -> list[Any] | None:
+    """``store`` as the kernel drafts from it: the ``SuffixStore`` of each of its ``shards`` (one
+    for a single-array store); None for no store, or for one that is no longer ``usable`` (its
     background checksum failed)."""
-    return None if store is None or not getattr(store, "usable", True) else native_suffix_store(store)
+    if store is None or not getattr(store, "usable", True):
+        return None
+    return [native_suffix_store(shard) for shard in store.shards]
 
 
 @functools.lru_cache(maxsize=64)

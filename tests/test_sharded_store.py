@@ -1,0 +1,227 @@
+"""Sharded datastores (issue 26): REST drafts from shards exactly what one suffix array over the
+shards' concatenated documents drafts (property test against the single-array store); the
+sharded format opens, describes itself, and refuses a bad shard naming it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydivsufsort import divsufsort
+
+from vllm_retrieval_spec.datastores.format import DatastoreError
+from vllm_retrieval_spec.datastores.reader import first_token_offsets
+from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
+from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
+
+from vrs_artifacts import TINY_TOKENIZER, repetitive_documents, write_sharded_store, write_token_store
+
+SEPARATOR = np.iinfo(np.uint16).max
+
+
+@dataclass
+class InMemoryStore:
+    """A single-array store of documents, as REST's kernel reads one (with first-token offsets)."""
+
+    tokens: np.ndarray
+    suffix_array: np.ndarray
+    separator: int = SEPARATOR
+    first_token_offsets: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, documents: list[list[int]], vocab: int, offsets: bool) -> InMemoryStore:
+        tokens = np.array([t for document in documents for t in (*document, SEPARATOR)], np.uint16)
+        store = cls(tokens, divsufsort(tokens).astype(np.int32))
+        if offsets:
+            store.first_token_offsets = first_token_offsets(tokens, SEPARATOR, vocab)
+        return store
+
+    @property
+    def shards(self) -> tuple[InMemoryStore]:
+        return (self,)
+
+
+@dataclass
+class InMemoryShards:
+    shards: tuple[InMemoryStore, ...]
+
+
+def drafts(store: object, queries: list[list[int]], params: RestParams) -> dict[str, np.ndarray]:
+    """Every output of REST's kernel for ``queries`` (datastore only)."""
+    width = max(len(q) for q in queries)
+    tokens = np.zeros((len(queries), width), np.int32)
+    for row, query in enumerate(queries):
+        tokens[row, : len(query)] = query
+    found = rest_retrieve(store, tokens, np.array([len(q) for q in queries], np.int32),
+                          np.arange(len(queries), dtype=np.int32), params)
+    return {"chain": found.chain_tokens, "chain_size": found.chain_size, "chain_prob": found.chain_prob,
+            "tree": found.tree_tokens, "parents": found.tree_parents, "tree_size": found.tree_size,
+            "tree_prob": found.tree_prob, "match_info": found.match_info}
+
+
+@st.composite
+def sharded_corpora(draw: st.DrawFn) -> tuple[list[list[int]], list[int], int]:
+    """Documents over a small vocabulary (many repeated suffixes), and where the shards split them."""
+    vocab = draw(st.integers(2, 6))
+    documents = draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40), min_size=2, max_size=12))
+    cuts = sorted(draw(st.sets(st.integers(1, len(documents) - 1), min_size=1, max_size=len(documents) - 1)))
+    return documents, cuts, vocab
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(corpus=sharded_corpora(), data=st.data())
+def test_shards_draft_what_one_suffix_array_over_their_documents_drafts(corpus, data):
+    documents, cuts, vocab = corpus
+    offsets = data.draw(st.booleans(), label="first-token offsets")
+    single = InMemoryStore.of(documents, vocab, offsets)
+    bounds = [0, *cuts, len(documents)]
+    sharded = InMemoryShards(tuple(InMemoryStore.of(documents[a:b], vocab, offsets)
+                                   for a, b in itertools.pairwise(bounds)))
+    queries = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10), min_size=1,
+                                 max_size=6), label="queries")
+    n_min = data.draw(st.integers(1, 3), label="n_min")
+    params = RestParams(n_min=n_min, n_max=data.draw(st.integers(n_min, 8), label="n_max"),
+                        max_matches=data.draw(st.integers(1, 12), label="max_matches"),
+                        cont_len=data.draw(st.integers(1, 12), label="cont_len"), top_k=16, chain_len=8,
+                        use_context=False, min_ratio=0.0)
+    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+
+
+def test_many_matches_are_sampled_alike_across_shards():
+    """Short matches in a larger store (thousands of suffixes per match, a few sampled)."""
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 8, int(rng.integers(20, 200))).tolist() for _ in range(300)]
+    single = InMemoryStore.of(documents, 8, True)
+    sharded = InMemoryShards(tuple(InMemoryStore.of(documents[i:i + 37], 8, True) for i in range(0, 300, 37)))
+    queries = [rng.integers(0, 8, 12).tolist() for _ in range(64)]
+    params = RestParams(n_min=1, n_max=1, max_matches=64, cont_len=10, top_k=32, chain_len=10, use_context=False)
+    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
+    assert (expected["match_info"][:, 2] > 1000).all()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+
+
+def test_shards_of_different_dtypes_are_refused():
+    one = InMemoryStore.of([[1, 2, 3]], 4, False)
+    other = InMemoryStore(one.tokens.astype(np.uint32), one.suffix_array, SEPARATOR)
+    with pytest.raises(ValueError, match="share their token and suffix-array dtypes"):
+        drafts(InMemoryShards((one, other)), [[1, 2]], RestParams(use_context=False))
+
+
+# ---- The format on disk ----
+
+
+def test_a_sharded_store_opens_and_drafts_like_one_array(tmp_path):
+    documents = repetitive_documents(seed=3, count=12)
+    single = open_datastore(write_token_store(tmp_path / "single", documents))
+    sharded = open_datastore(write_sharded_store(tmp_path / "sharded", [documents[:5], documents[5:9], documents[9:]]))
+    assert isinstance(sharded, ShardedDatastore) and len(sharded.shards) == 3
+    assert sharded.manifest.num_tokens == single.manifest.num_tokens
+    sharded.check_fully()
+    rng = np.random.default_rng(4)
+    queries = [document[i:i + 6].tolist() for document, i in zip(documents, rng.integers(0, 50, 12))]
+    params = RestParams(n_min=1, n_max=6, max_matches=4, cont_len=8, top_k=16, chain_len=8, use_context=False)
+    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    description = sharded.describe()
+    assert "3 shards" in description and "shard-00002" in description
+
+
+def _edit(path: Path, **changes: object) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+
+BAD_STORES = {
+    "a shard missing": (lambda p: shutil.rmtree(p / "shard-00001"), "shard-00001 does not exist"),
+    "a shard's suffix array truncated": (
+        lambda p: (p / "shard-00000" / "suffix_array.bin").write_bytes(
+            (p / "shard-00000" / "suffix_array.bin").read_bytes()[:-4]), "shard-00000/suffix_array.bin"),
+    "a name outside the store": (lambda p: _edit(p, shards=["shard-00000", "../elsewhere"]), "shard-NNNNN"),
+    "no shards": (lambda p: _edit(p, shards=[]), "shard-NNNNN"),
+    "totals that disagree": (lambda p: _edit(p, num_tokens=500), "its shards hold"),
+    "a shard of another tokenizer": (
+        lambda p: _edit(p / "shard-00001", tokenizer={**json.loads((p / "manifest.json").read_text())["tokenizer"],
+                                                      "name": "other", "vocab_sha256": "e" * 64}),
+        "shard-00001"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD_STORES)
+def test_a_bad_sharded_store_is_refused_naming_the_shard(tmp_path, damage):
+    documents = repetitive_documents(seed=5, count=6)
+    path = write_sharded_store(tmp_path / "store", [documents[:2], documents[2:4], documents[4:]])
+    change, message = BAD_STORES[damage]
+    change(path)
+    with pytest.raises(DatastoreError, match=message):
+        open_datastore(path, TINY_TOKENIZER)
+
+
+# ---- Building with the real tokenizer ----
+
+
+@pytest.fixture()
+def python_sources(tmp_path: Path) -> Path:
+    """Forty small Python modules of varying length (documents of 20-400 tokens)."""
+    root = tmp_path / "src"
+    root.mkdir()
+    rng = np.random.default_rng(6)
+    for i in range(40):
+        lines = int(rng.integers(1, 30))
+        body = "".join(f"    total = total + value_{j} * {int(rng.integers(100))}\n" for j in range(lines))
+        (root / f"module_{i:02d}.py").write_text(f"def compute_{i}(values):\n    total = 0\n{body}    return total\n")
+    return root
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sharded_build_splits_documents_and_drafts_like_one_array(model_dir, python_sources, tmp_path, workers):
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    single_report = build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "single", progress=False)
+    report = build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "sharded", progress=False,
+                             shard_tokens=1_000, workers=workers)
+    identity = tokenizer_identity(model_dir)
+    single, sharded = open_datastore(tmp_path / "single", identity), open_datastore(tmp_path / "sharded", identity)
+    assert isinstance(sharded, ShardedDatastore) and len(sharded.shards) >= 4
+    assert (report.num_tokens, report.num_documents) == (single_report.num_tokens, single_report.num_documents)
+    assert all(shard.manifest.num_tokens <= 1_000 for shard in sharded.shards)
+    joined = np.concatenate([np.asarray(shard.tokens) for shard in sharded.shards])
+    np.testing.assert_array_equal(joined, np.asarray(single.tokens))  # documents in order, none split
+    sharded.check_fully()
+    rng = np.random.default_rng(7)
+    starts = rng.integers(0, len(joined) - 16, 48)
+    queries = [[t for t in joined[s:s + int(rng.integers(2, 12))].tolist() if t != single.separator] or [0]
+               for s in starts]
+    params = RestParams(n_min=1, n_max=8, max_matches=8, cont_len=12, top_k=24, chain_len=12, use_context=False)
+    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    assert (expected["chain_size"] > 0).mean() > 0.5
+
+
+def test_sharded_build_requests_are_checked_first(model_dir, python_sources, tmp_path):
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    with pytest.raises(ValueError, match="--shard-tokens must lie in"):
+        build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "a", shard_tokens=0)
+    with pytest.raises(ValueError, match="--workers must be at least 1"):
+        build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "a", shard_tokens=100, workers=0)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="does not replace sharded stores"):
+        build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "kept", shard_tokens=100, replace=True)
+    assert (tmp_path / "kept" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "a").exists()
