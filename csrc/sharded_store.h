@@ -6,9 +6,9 @@
 // range in lexicographic order. The continuation REST gathers at rank r of that union depends only
 // on the key of the suffix at r: its cont_len tokens after the match, up to a separator. Keys are
 // sorted within each shard's range, and suffixes of equal keys give equal continuations, so the
-// key at rank r is found exactly by selection over the shards' ranges (pivot on the middle of the
-// longest range, count the keys below and equal to it in every shard by binary search, recurse on
-// the side holding each wanted rank) without merging them.
+// key at rank r is found exactly by selection over the shards' ranges (pivot in the longest range
+// where the middle wanted rank would sit, count the keys below and equal to it in every shard by
+// binary search, recurse on the side holding each wanted rank) without merging them.
 #pragma once
 
 #include <algorithm>
@@ -39,8 +39,8 @@ class ShardSelector {
   // The entries at the sorted union ranks targets[0..count) (ranks within ranges' union, in
   // lexicographic order), one per target, written to out in target order.
   void select(std::vector<ShardRange> ranges, const int64_t* targets, int count, int64_t base,
-              ShardEntry* out) const {
-    while (count > 0) {
+              ShardEntry* out, int depth = 0) const {
+    for (; count > 0; ++depth) {
       int longest = 0, nonempty = 0;
       for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
         nonempty += ranges[s].size() > 0;
@@ -50,7 +50,12 @@ class ShardSelector {
         for (int t = 0; t < count; ++t) out[t] = {longest, ranges[longest].lo + (targets[t] - base)};
         return;
       }
-      const ShardEntry pivot{longest, ranges[longest].lo + ranges[longest].size() / 2};
+      // Alternately where the middle wanted rank would sit and the range's middle: the first
+      // converges fast on evenly mixed shards, the second halves the longest range whatever
+      // the shards hold (so selection takes O(shards × log matches) rounds at worst).
+      const int64_t offset = depth % 2 == 0 ? proportional_offset(ranges, longest, targets[count / 2] - base)
+                                            : ranges[longest].size() / 2;
+      const ShardEntry pivot{longest, ranges[longest].lo + offset};
       std::vector<ShardRange> below(ranges.size()), above(ranges.size());
       int64_t num_below = 0, num_equal = 0;
       for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
@@ -65,7 +70,7 @@ class ShardSelector {
       const int in_equal =
           static_cast<int>(std::lower_bound(targets + in_below, targets + count, base + num_below + num_equal) -
                            (targets + in_below));
-      select(std::move(below), targets, in_below, base, out);
+      select(std::move(below), targets, in_below, base, out, depth + 1);
       std::fill(out + in_below, out + in_below + in_equal, pivot);  // equal keys: equal continuations
       targets += in_below + in_equal;
       out += in_below + in_equal;
@@ -76,6 +81,17 @@ class ShardSelector {
   }
 
  private:
+  // Where in ranges[shard] the union's rank sits if the shards interleave evenly (as shards of
+  // documents of one kind do): a pivot there splits the wanted ranks near their middle and
+  // leaves few ranks between it and the wanted one.
+  static int64_t proportional_offset(const std::vector<ShardRange>& ranges, int shard, int64_t rank) {
+    int64_t total = 0;
+    for (const ShardRange& range : ranges) total += range.size();
+    const double fraction = (static_cast<double>(rank) + 0.5) / static_cast<double>(total);
+    const int64_t size = ranges[shard].size();
+    return std::clamp<int64_t>(static_cast<int64_t>(fraction * static_cast<double>(size)), 0, size - 1);
+  }
+
   // The key token i of an entry (UINT64_MAX past the end: it sorts with the separators).
   uint64_t key_token(const ShardEntry& e, int i) const {
     const Index& shard = shards_[e.shard];

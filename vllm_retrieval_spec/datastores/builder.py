@@ -207,18 +207,18 @@ def _finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, bui
     build ``start``ed at that ``time.perf_counter()``, a clock every process shares)."""
     jobs = [(shard, identity, build, start) for shard in written]
     if workers == 1 or len(jobs) == 1:
-        return [_finish_shard(*job) for job in tqdm(jobs, desc="sorting shards", unit="shard", disable=not progress)]
+        return [finish_shard(*job) for job in tqdm(jobs, desc="sorting shards", unit="shard", disable=not progress)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # Spawned, not forked: a fork of this process (the tokenizer's and tqdm's threads) can deadlock.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        return list(tqdm(pool.map(_finish_shard, *zip(*jobs)), total=len(jobs), desc="sorting shards",
+        return list(tqdm(pool.map(finish_shard, *zip(*jobs)), total=len(jobs), desc="sorting shards",
                          unit="shard", disable=not progress))
 
 
-def _finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[str, Any], start: float) -> ShardBuilt:
+def finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[str, Any], start: float) -> ShardBuilt:
     """Sort one shard's suffixes and write its manifest (a datastore of its own)."""
     token_dtype = token_dtype_for(identity.vocab_size)
     sort_seconds = _write_suffix_array(shard.directory, shard.num_tokens, token_dtype)

@@ -1,0 +1,181 @@
+"""Sharded datastores against one suffix array over the same documents (issue 26, items 1 and 4).
+
+The store (default: the embedded ``python-code`` recipe, 73M tokens of the Python standard
+library) is split at document boundaries into S shards of near-equal size, each sorted on its own
+(in a fresh process, whose peak memory is reported), and opened as a sharded store. Contexts are
+the 164 HumanEval prompts tokenized and cut at random points (at least 32 tokens). For each
+batch size, REST's kernel (serving defaults, chains of 32 and trees of the default width) drafts
+the same batches from the single store and from each sharded one, alternating, after both are
+read into the page cache: p50/p99 per step, and every draft compared (the drafts must be
+identical: 0 differing rows).
+
+    python benchmarks/sharded_store.py --shards 4 16 --batches 1 8 64
+
+Writes benchmarks/results/sharded_store_<store>[_<tag>].json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import platform
+import resource
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+from draft_latency import as_matrix, percentiles  # benchmarks/ is this script's directory
+
+from vllm_retrieval_spec.datastores.builder import ShardBuilt, ShardWritten, finish_shard
+from vllm_retrieval_spec.datastores.format import TOKENS
+from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store, open_datastore_for_model
+from vllm_retrieval_spec.datastores.sharded import FORMAT_VERSION, ShardedManifest, open_datastore, shard_name
+from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
+from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
+from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
+from vllm_retrieval_spec.options import RetrievalSpecOptions
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WIDTH = 2048
+DRAFT_KEYS = ("chain_tokens", "chain_size", "tree_tokens", "tree_parents", "tree_size", "match_info")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datastore", default="python-code", help="recipe name or store directory")
+    parser.add_argument("--shards", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=200, help="batches drafted per batch size (fewer when large)")
+    parser.add_argument("--k", type=int, default=32, help="chain length (the README's num_speculative_tokens)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the shards are written (default: a "
+                        "temporary directory, removed at the end)")
+    parser.add_argument("--tag", default="")
+    return parser.parse_args()
+
+
+def document_cuts(tokens: np.ndarray, separator: int, shards: int) -> list[int]:
+    """Token offsets that split ``tokens`` after a separator into ``shards`` near-equal runs."""
+    ends = np.flatnonzero(tokens == separator) + 1
+    wanted = np.linspace(0, len(tokens), shards + 1)[1:-1]
+    picked = ends[np.minimum(np.searchsorted(ends, wanted), len(ends) - 1)]
+    return [0, *sorted(set(picked.tolist())), len(tokens)]
+
+
+def sort_and_measure(shard: ShardWritten, identity: object, build: dict) -> tuple[ShardBuilt, float, float]:
+    """One shard sorted in this (fresh) process: what it built, seconds, peak resident MB."""
+    start = time.perf_counter()
+    built = finish_shard(shard, identity, build, start)
+    return built, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_shards(store: object, count: int, root: Path) -> tuple[Path, list[dict]]:
+    """``store`` split into ``count`` shards under ``root``, each sorted in a process of its own."""
+    tokens = np.asarray(store.tokens)
+    cuts = document_cuts(tokens, store.separator, count)
+    written = []
+    for index, (start, end) in enumerate(itertools.pairwise(cuts)):
+        directory = root / shard_name(index)
+        directory.mkdir(parents=True)
+        tokens[start:end].tofile(directory / TOKENS)
+        written.append(ShardWritten(directory, end - start, int((tokens[start:end] == store.separator).sum())))
+    build = {"resharded_from": str(store.path)}
+    measured = []
+    for shard in written:  # one at a time: each process's peak is one shard's
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            built, seconds, peak_mb = pool.submit(sort_and_measure, shard, store.manifest.tokenizer, build).result()
+        measured.append({"tokens": built.num_tokens, "sort_seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb),
+                         "bytes_on_disk": built.bytes_on_disk})
+    ShardedManifest(
+        format_version=FORMAT_VERSION, shards=[shard.directory.name for shard in written],
+        num_tokens=store.manifest.num_tokens, num_documents=store.manifest.num_documents,
+        token_dtype=store.manifest.token_dtype, separator=store.separator, tokenizer=store.manifest.tokenizer,
+        build=build,
+    ).write(root)
+    return root, measured
+
+
+def prompt_contexts(model: Path, count: int, seed: int) -> list[list[int]]:
+    """HumanEval prompts, tokenized, cut at random points of at least 32 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in humaneval_prompts()]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(prompts), count)
+    return [prompts[i][: int(rng.integers(min(32, len(prompts[i])), len(prompts[i]) + 1))] for i in picks]
+
+
+def time_drafts(stores: dict[str, object], batches: list, params: RestParams) -> dict[str, dict]:
+    """p50/p99 microseconds per step of every store on the same batches (alternating), and the
+    rows whose drafts differ from the first store's."""
+    times = {name: [] for name in stores}
+    differing = dict.fromkeys(stores, 0)
+    for tokens, lengths in batches:
+        rows = np.arange(len(lengths), dtype=np.int32)
+        reference = None
+        for name, store in stores.items():
+            start = time.perf_counter()
+            out = rest_retrieve(store, tokens, lengths, rows, params)
+            times[name].append((time.perf_counter() - start) * 1e6)
+            drafts = {key: getattr(out, key) for key in DRAFT_KEYS}
+            if reference is None:
+                reference = drafts
+            else:
+                same = np.ones(len(rows), bool)
+                for key in DRAFT_KEYS:
+                    same &= (drafts[key] == reference[key]).reshape(len(rows), -1).all(axis=1)
+                differing[name] += int((~same).sum())
+    return {name: {**percentiles(times[name]), "differing_rows": differing[name]} for name in stores}
+
+
+def main() -> None:
+    args = parse_args()
+    model = ensure_smollm2_checkpoint()
+    if Path(args.datastore).expanduser().exists():
+        single, _ = open_datastore_for_model(args.datastore, model)
+    else:
+        single, _ = open_datastore_for_model(str(ensure_recipe_store(args.datastore, model)), model)
+    params = RestParams.from_options(RetrievalSpecOptions(), chain_len=args.k)
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        stores, builds = {"single": single}, {}
+        for count in args.shards:
+            print(f"splitting {single.manifest.num_tokens:,} tokens into {count} shards ...", flush=True)
+            path, builds[count] = write_shards(single, count, Path(work) / f"shards{count}")
+            stores[f"{count} shards"] = open_datastore(path, single.manifest.tokenizer)
+        for store in stores.values():
+            store.prefetch(wait=True)
+        report = {"datastore": str(single.path), "tokens": single.manifest.num_tokens, "rest_params":
+                  dataclasses.asdict(params), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "builds": {str(count): rows for count, rows in builds.items()}, "search": {}}
+        for size in args.batches:
+            steps = max(10, args.steps * 8 // max(size, 8))
+            contexts = prompt_contexts(model, size * steps, seed=size)
+            batches = [as_matrix(contexts[i * size:(i + 1) * size], WIDTH) for i in range(steps)]
+            time_drafts(stores, batches[:5], params)  # warm-up
+            report["search"][str(size)] = time_drafts(stores, batches, params)
+    print_table(report)
+    name = f"sharded_store_{Path(single.path).name.rsplit('-', 1)[0]}{'_' + args.tag if args.tag else ''}.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {RESULTS / name}")
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['tokens']:,} tokens; drafting step (kernel call), microseconds")
+    print("| batch | store | p50 | p99 | × single p50 | differing rows |\n|---:|---|---:|---:|---:|---:|")
+    for size, rows in report["search"].items():
+        for name, row in rows.items():
+            print(f"| {size} | {name} | {row['p50']:.0f} | {row['p99']:.0f} | "
+                  f"{row['p50'] / rows['single']['p50']:.2f} | {row['differing_rows']} |")
+    print("\n| shards | tokens per shard | sort s per shard (max) | peak MB per shard (max) |\n|---:|---:|---:|---:|")
+    for count, rows in report["builds"].items():
+        print(f"| {count} | {max(r['tokens'] for r in rows):,} | {max(r['sort_seconds'] for r in rows):.1f} | "
+              f"{max(r['peak_rss_mb'] for r in rows)} |")
+
+
+if __name__ == "__main__":
+    main()
