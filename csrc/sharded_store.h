@@ -6,12 +6,13 @@
 // range in lexicographic order. The continuation REST gathers at rank r of that union depends only
 // on the key of the suffix at r: its cont_len tokens after the match, up to a separator. Keys are
 // sorted within each shard's range, and suffixes of equal keys give equal continuations, so the
-// key at rank r is found exactly by selection over the shards' ranges (pivot in the longest range
-// where the middle wanted rank would sit, count the keys below and equal to it in every shard by
-// binary search, recurse on the side holding each wanted rank) without merging them.
+// key at rank r is found exactly by selection over the shards' ranges (pivot on an entry of one,
+// count the keys below and equal to it in every shard by binary search, keep the side holding
+// each wanted rank) without merging them.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,12 @@ struct ShardEntry {
   int64_t index;
 };
 
+// The shards' ranges around a pivot: those below it, how many keys equal it, those above.
+struct ShardSplit {
+  std::vector<ShardRange> below, above;
+  int64_t num_below = 0, num_equal = 0;
+};
+
 template <typename Index>
 class ShardSelector {
  public:
@@ -37,59 +44,133 @@ class ShardSelector {
       : shards_(shards), match_len_(match_len), key_len_(key_len) {}
 
   // The entries at the sorted union ranks targets[0..count) (ranks within ranges' union, in
-  // lexicographic order), one per target, written to out in target order.
+  // lexicographic order, less base), one per target, written to out in target order. Several
+  // ranks are split around a pivot where their middle one would sit (or, every other round, the
+  // longest range's middle); a rank alone is bracketed (select_one).
   void select(std::vector<ShardRange> ranges, const int64_t* targets, int count, int64_t base,
               ShardEntry* out, int depth = 0) const {
     for (; count > 0; ++depth) {
-      int longest = 0, nonempty = 0;
-      for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
-        nonempty += ranges[s].size() > 0;
-        if (ranges[s].size() > ranges[longest].size()) longest = s;
-      }
-      if (nonempty <= 1) {  // one shard left: its ranks are the union's
-        for (int t = 0; t < count; ++t) out[t] = {longest, ranges[longest].lo + (targets[t] - base)};
+      const Shape shape = shape_of(ranges);
+      if (shape.nonempty <= 1) {  // one shard left: its ranks are the union's
+        for (int t = 0; t < count; ++t) out[t] = {shape.longest, ranges[shape.longest].lo + (targets[t] - base)};
         return;
       }
-      // Alternately where the middle wanted rank would sit and the range's middle: the first
-      // converges fast on evenly mixed shards, the second halves the longest range whatever
-      // the shards hold (so selection takes O(shards × log matches) rounds at worst).
-      const int64_t offset = depth % 2 == 0 ? proportional_offset(ranges, longest, targets[count / 2] - base)
-                                            : ranges[longest].size() / 2;
-      const ShardEntry pivot{longest, ranges[longest].lo + offset};
-      std::vector<ShardRange> below(ranges.size()), above(ranges.size());
-      int64_t num_below = 0, num_equal = 0;
-      for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
-        const int64_t first_equal = partition<false>(s, ranges[s], pivot);
-        const int64_t first_above = partition<true>(s, {first_equal, ranges[s].hi}, pivot);
-        below[s] = {ranges[s].lo, first_equal};
-        above[s] = {first_above, ranges[s].hi};
-        num_below += first_equal - ranges[s].lo;
-        num_equal += first_above - first_equal;
+      if (count == 1) {
+        out[0] = select_one(std::move(ranges), targets[0] - base);
+        return;
       }
-      const int in_below = static_cast<int>(std::lower_bound(targets, targets + count, base + num_below) - targets);
-      const int in_equal =
-          static_cast<int>(std::lower_bound(targets + in_below, targets + count, base + num_below + num_equal) -
-                           (targets + in_below));
-      select(std::move(below), targets, in_below, base, out, depth + 1);
+      const ShardEntry pivot = depth % 2 == 0 ? proportional_pivot(ranges, shape, targets[count / 2] - base)
+                                              : middle_pivot(ranges, shape);
+      ShardSplit split = split_at(ranges, pivot);
+      const int in_below =
+          static_cast<int>(std::lower_bound(targets, targets + count, base + split.num_below) - targets);
+      const int in_equal = static_cast<int>(
+          std::lower_bound(targets + in_below, targets + count, base + split.num_below + split.num_equal) -
+          (targets + in_below));
+      select(std::move(split.below), targets, in_below, base, out, depth + 1);
       std::fill(out + in_below, out + in_below + in_equal, pivot);  // equal keys: equal continuations
       targets += in_below + in_equal;
       out += in_below + in_equal;
       count -= in_below + in_equal;
-      base += num_below + num_equal;
-      ranges = std::move(above);
+      base += split.num_below + split.num_equal;
+      ranges = std::move(split.above);
     }
   }
 
  private:
-  // Where in ranges[shard] the union's rank sits if the shards interleave evenly (as shards of
-  // documents of one kind do): a pivot there splits the wanted ranks near their middle and
-  // leaves few ranks between it and the wanted one.
-  static int64_t proportional_offset(const std::vector<ShardRange>& ranges, int shard, int64_t rank) {
+  struct Shape {
     int64_t total = 0;
-    for (const ShardRange& range : ranges) total += range.size();
-    const double fraction = (static_cast<double>(rank) + 0.5) / static_cast<double>(total);
-    const int64_t size = ranges[shard].size();
-    return std::clamp<int64_t>(static_cast<int64_t>(fraction * static_cast<double>(size)), 0, size - 1);
+    int longest = 0;
+    int nonempty = 0;
+  };
+
+  static Shape shape_of(const std::vector<ShardRange>& ranges) {
+    Shape shape;
+    for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
+      shape.total += ranges[s].size();
+      shape.nonempty += ranges[s].size() > 0;
+      if (ranges[s].size() > ranges[shape.longest].size()) shape.longest = s;
+    }
+    return shape;
+  }
+
+  // The entry at rank within the union (Floyd-Rivest style): pivots where rank - d and rank + d
+  // would sit if the shards interleave evenly (d = sqrt of the union: the spread of such ranks),
+  // which on evenly mixed shards bracket the rank in a range of ~2d; a round that does not halve
+  // the union is followed by one at the longest range's middle, so that no shard contents make
+  // it take more than O(shards × log union) rounds.
+  ShardEntry select_one(std::vector<ShardRange> ranges, int64_t rank) const {
+    ShardEntry found{};
+    for (bool halve = false;;) {
+      Shape shape = shape_of(ranges);
+      if (shape.nonempty <= 1) return {shape.longest, ranges[shape.longest].lo + rank};
+      const int64_t before = shape.total;
+      if (halve) {
+        if (narrow(ranges, rank, middle_pivot(ranges, shape), &found)) return found;
+        halve = false;
+        continue;
+      }
+      const int64_t spread = std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(shape.total))));
+      if (narrow(ranges, rank, proportional_pivot(ranges, shape, std::max<int64_t>(rank - spread, 0)), &found))
+        return found;
+      shape = shape_of(ranges);
+      if (shape.nonempty <= 1) return {shape.longest, ranges[shape.longest].lo + rank};
+      if (narrow(ranges, rank, proportional_pivot(ranges, shape, std::min(rank + spread, shape.total - 1)), &found))
+        return found;
+      halve = shape_of(ranges).total > before / 2;
+    }
+  }
+
+  // Keep the side of pivot that holds rank (rank becomes its rank there); true, with *found
+  // set, when the key at rank equals the pivot's.
+  bool narrow(std::vector<ShardRange>& ranges, int64_t& rank, const ShardEntry& pivot, ShardEntry* found) const {
+    ShardSplit split = split_at(ranges, pivot);
+    if (rank < split.num_below) {
+      ranges = std::move(split.below);
+      return false;
+    }
+    if (rank < split.num_below + split.num_equal) {
+      *found = pivot;
+      return true;
+    }
+    rank -= split.num_below + split.num_equal;
+    ranges = std::move(split.above);
+    return false;
+  }
+
+  // Each shard's keys below, equal to and above the pivot's. The searches start where the
+  // answer likely is and gallop from there: the pivot's own index in its shard, the
+  // proportional place in the others, and the first equal key for the first one above (equal
+  // keys are few: continuations of cont_len tokens).
+  ShardSplit split_at(const std::vector<ShardRange>& ranges, const ShardEntry& pivot) const {
+    ShardSplit split{std::vector<ShardRange>(ranges.size()), std::vector<ShardRange>(ranges.size())};
+    const ShardRange& own = ranges[pivot.shard];
+    const double fraction = static_cast<double>(pivot.index - own.lo) / static_cast<double>(own.size());
+    for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
+      const ShardRange& range = ranges[s];
+      const int64_t guess = s == pivot.shard ? pivot.index
+                                             : range.lo + static_cast<int64_t>(fraction * static_cast<double>(range.size()));
+      const int64_t first_equal = partition<false>(s, range, pivot, guess);
+      const int64_t first_above = partition<true>(s, {first_equal, range.hi}, pivot, first_equal);
+      split.below[s] = {ranges[s].lo, first_equal};
+      split.above[s] = {first_above, ranges[s].hi};
+      split.num_below += first_equal - ranges[s].lo;
+      split.num_equal += first_above - first_equal;
+    }
+    return split;
+  }
+
+  static ShardEntry middle_pivot(const std::vector<ShardRange>& ranges, const Shape& shape) {
+    return {shape.longest, ranges[shape.longest].lo + ranges[shape.longest].size() / 2};
+  }
+
+  // The entry of the longest range where the union's rank would sit if the shards interleave
+  // evenly (as shards of documents of one kind do).
+  static ShardEntry proportional_pivot(const std::vector<ShardRange>& ranges, const Shape& shape, int64_t rank) {
+    const double fraction = (static_cast<double>(rank) + 0.5) / static_cast<double>(shape.total);
+    const ShardRange& range = ranges[shape.longest];
+    const int64_t offset = static_cast<int64_t>(fraction * static_cast<double>(range.size()));
+    return {shape.longest, range.lo + std::clamp<int64_t>(offset, 0, range.size() - 1)};
   }
 
   // The key token i of an entry (UINT64_MAX past the end: it sorts with the separators).
@@ -112,14 +193,39 @@ class ShardSelector {
     return 0;
   }
 
-  // First index of range in shard s whose key is not below pivot's (strict: above it).
+  // First index of range in shard s whose key is not below pivot's (strict: above it): galloping
+  // from hint (any index; clamped into the range) to bracket it, then binary search.
   template <bool kStrict>
-  int64_t partition(int s, ShardRange range, const ShardEntry& pivot) const {
-    int64_t lo = range.lo, count = range.size();
-    while (count > 0) {
+  int64_t partition(int s, ShardRange range, const ShardEntry& pivot, int64_t hint) const {
+    auto before = [&](int64_t i) {  // i lies before the partition point
+      const int c = compare({s, i}, pivot);
+      return kStrict ? c <= 0 : c < 0;
+    };
+    if (range.size() <= 0) return range.lo;
+    const int64_t start = std::clamp(hint, range.lo, range.hi - 1);
+    int64_t lo = range.lo, hi = range.hi;  // the point lies in [lo, hi]; hi is not before (or the end)
+    if (before(start)) {
+      for (int64_t previous = start, step = 1;; previous = lo, step *= 2) {
+        lo = start + step;
+        if (lo >= range.hi || !before(lo)) {
+          hi = std::min(lo, range.hi);
+          lo = previous + 1;
+          break;
+        }
+      }
+    } else {
+      for (int64_t previous = start, step = 1;; previous = hi, step *= 2) {
+        hi = start - step;
+        if (hi < range.lo || before(hi)) {
+          lo = std::max(hi + 1, range.lo);
+          hi = previous;
+          break;
+        }
+      }
+    }
+    for (int64_t count = hi - lo; count > 0;) {  // binary search in [lo, hi)
       const int64_t half = count / 2;
-      const int c = compare({s, lo + half}, pivot);
-      if (kStrict ? c <= 0 : c < 0) {
+      if (before(lo + half)) {
         lo += half + 1;
         count -= half + 1;
       } else {

@@ -221,7 +221,76 @@ def test_sharded_build_requests_are_checked_first(model_dir, python_sources, tmp
         build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "a", shard_tokens=100, workers=0)
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="does not replace sharded stores"):
+    with pytest.raises(FileExistsError, match="sharded builds do not replace stores"):
         build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "kept", shard_tokens=100, replace=True)
     assert (tmp_path / "kept" / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "a").exists()
+
+
+KILLED_BUILD = """
+import sys
+from pathlib import Path
+from vllm_retrieval_spec.datastores.builder import build_datastore
+from vllm_retrieval_spec.datastores.sources import InputSpec
+
+report = build_datastore(sys.argv[1], [InputSpec(Path(sys.argv[2]))], Path(sys.argv[3]), progress=False,
+                         shard_tokens=int(sys.argv[4]))
+print("kept", report.shards_kept)
+"""
+
+
+def test_a_killed_sharded_build_leaves_no_store_and_the_next_one_resumes(model_dir, python_sources, tmp_path):
+    """kill -9 at random points of a build: never a store at the target; the next build of the
+    same plan keeps what was tokenized and sorted, and its store equals an uninterrupted build's."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sharded_builder import resumable_dir
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    for i in range(80):  # more documents: a build of ~1 s past the tokenizer's load
+        (python_sources / f"extra_{i:02d}.py").write_text((python_sources / f"module_{i % 40:02d}.py").read_text())
+    reference = build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "reference", progress=False,
+                                shard_tokens=300)
+    target = tmp_path / "store"
+    command = [sys.executable, "-c", KILLED_BUILD, str(model_dir), str(python_sources), str(target), "300"]
+    rng = random.Random(0)
+    for round_ in range(3):  # killed while tokenizing (or loading), then twice while sorting
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        if round_ == 0:
+            time.sleep(rng.uniform(0.5, 2.0))
+        else:
+            for _ in range(rng.randint(1, 4)):  # a shard sorted per line
+                assert child.stdout.readline().startswith("sorting the suffixes")
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert not target.exists()
+    assert resumable_dir(target).exists()
+    finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
+    kept = finished.splitlines()[-1]
+    assert kept.startswith("kept ") and int(kept.split()[1]) >= 2 and not resumable_dir(target).exists()
+    store, expected = open_datastore(target), open_datastore(tmp_path / "reference")
+    assert [s.manifest.num_tokens for s in store.shards] == [s.manifest.num_tokens for s in expected.shards]
+    for shard, twin in zip(store.shards, expected.shards):
+        np.testing.assert_array_equal(np.asarray(shard.tokens), np.asarray(twin.tokens))
+        np.testing.assert_array_equal(np.asarray(shard.suffix_array), np.asarray(twin.suffix_array))
+    store.check_fully()
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", *(s.path.name for s in store.shards)]
+    assert reference.num_tokens == store.manifest.num_tokens
+
+
+def test_a_resumable_build_refuses_what_it_did_not_write(model_dir, python_sources, tmp_path):
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sharded_builder import resumable_dir
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    work = resumable_dir(tmp_path / "store")
+    work.mkdir()
+    (work / "precious.txt").write_text("not ours")
+    with pytest.raises(FileExistsError, match=r"precious\.txt'.*which no build wrote"):
+        build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "store", progress=False, shard_tokens=500)
+    assert (work / "precious.txt").read_text() == "not ours" and not (tmp_path / "store").exists()

@@ -1,5 +1,7 @@
 """Streaming datastore builder: tokenise in batches, write tokens as they come, then sort
-the suffixes with pydivsufsort; written to a temporary directory and renamed into place."""
+the suffixes with pydivsufsort; written to a temporary directory and renamed into place. The
+pieces are shared with sharded builds (``sharded_builder.py``): :class:`ShardFiles` splits the
+token stream into shards, :func:`finish_shards` sorts them in worker processes."""
 
 from __future__ import annotations
 
@@ -25,8 +27,7 @@ from vllm_retrieval_spec.datastores.format import (
     suffix_array_dtype_for,
     token_dtype_for,
 )
-from vllm_retrieval_spec.datastores.sharded import FORMAT_VERSION as SHARDED_FORMAT_VERSION
-from vllm_retrieval_spec.datastores.sharded import MAX_SHARD_TOKENS, ShardedManifest, shard_name
+from vllm_retrieval_spec.datastores.sharded import shard_name
 from vllm_retrieval_spec.datastores.sources import ChatRenderer, DocumentStream, InputSpec
 from vllm_retrieval_spec.storage import (
     TOKENIZER_FILES,
@@ -57,6 +58,7 @@ class BuildReport:
     bytes_on_disk: int
     files_read: int
     files_skipped: int  # binary files (see ``sources.looks_binary``)
+    shards_kept: int = 0  # shards a killed sharded build had sorted, kept by this one
 
     @property
     def tokens_per_second(self) -> float:
@@ -96,16 +98,17 @@ def build_datastore(
     workers: int = 1,
 ) -> BuildReport:
     """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``; with
-    ``shard_tokens``, a sharded one (``sharded.py``): shards of consecutive documents of at most
-    that many tokens (a longer document gets a shard of its own), sorted by ``workers``
-    processes, so that the peak memory follows the shard size, not the corpus size."""
+    ``shard_tokens``, a sharded one of shards of at most that many tokens, sorted by
+    ``workers`` processes (``sharded_builder.py``: resumable, never replacing a store)."""
     out_dir = Path(out_dir)
     if shard_tokens is not None:
-        _check_shard_request(out_dir, replace, shard_tokens, workers)
+        from vllm_retrieval_spec.datastores.sharded_builder import build_sharded_datastore
+
+        return build_sharded_datastore(tokenizer_dir, inputs, out_dir, shard_tokens=shard_tokens, workers=workers,
+                                       progress=progress, extra_build_info=extra_build_info)
     check_build_target(out_dir, replace, DATASTORE)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
-    token_dtype = token_dtype_for(identity.vocab_size)
     stream = DocumentStream(inputs, chat_renderer(tokenizer))
     build = {
         "inputs": [{"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
@@ -116,29 +119,14 @@ def build_datastore(
     }
     start = time.perf_counter()
     with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
-        files = ShardFiles(tmp, shard_tokens)
-        _write_tokens(tokenizer, stream, files, token_dtype, progress)
+        files = ShardFiles(tmp, None)
+        write_tokens(tokenizer, stream, files, token_dtype_for(identity.vocab_size), progress)
         tokenize_seconds = time.perf_counter() - start
         build |= {"files_read": stream.files_read, "files_skipped_binary": stream.files_skipped}
-        shards = _finish_shards(files.written, identity, build, start, workers, progress and shard_tokens is not None)
-        if shard_tokens is not None:
-            build |= {"shard_tokens": shard_tokens, "workers": workers}
-            _sharded_manifest(files.written, token_dtype, identity, build, start).write(tmp)
-    seconds = time.perf_counter() - start
-    return BuildReport(out_dir, sum(s.num_tokens for s in shards), sum(s.num_documents for s in shards), seconds,
-                       tokenize_seconds, sum(s.sort_seconds for s in shards), sum(s.bytes_on_disk for s in shards),
-                       stream.files_read, stream.files_skipped)
-
-
-def _check_shard_request(out_dir: Path, replace: bool, shard_tokens: int, workers: int) -> None:
-    if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
-        raise ValueError(f"--shard-tokens must lie in [1, {MAX_SHARD_TOKENS:,}] (int32 suffix arrays), "
-                         f"not {shard_tokens:,}")
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, not {workers}")
-    if replace and out_dir.exists():
-        raise FileExistsError(f"{out_dir} exists and --replace does not replace sharded stores: remove it yourself "
-                              "or choose another output directory")
+        (built,) = finish_shards(files.written, identity, build, start, workers=1, progress=False)
+    return BuildReport(out_dir, built.num_tokens, built.num_documents, time.perf_counter() - start,
+                       tokenize_seconds, built.sort_seconds, built.bytes_on_disk, stream.files_read,
+                       stream.files_skipped)
 
 
 @dataclass
@@ -201,12 +189,12 @@ class ShardBuilt:
     bytes_on_disk: int
 
 
-def _finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any], start: float,
-                   workers: int, progress: bool) -> list[ShardBuilt]:
+def finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any], start: float,
+                  workers: int, progress: bool) -> list[ShardBuilt]:
     """Sort every shard's suffixes and write its manifest, ``workers`` shards at a time (the
     build ``start``ed at that ``time.perf_counter()``, a clock every process shares)."""
     jobs = [(shard, identity, build, start) for shard in written]
-    if workers == 1 or len(jobs) == 1:
+    if workers == 1 or len(jobs) <= 1:
         return [finish_shard(*job) for job in tqdm(jobs, desc="sorting shards", unit="shard", disable=not progress)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -235,17 +223,6 @@ def finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[s
                       sum(f["bytes"] for f in manifest.files.values()))
 
 
-def _sharded_manifest(written: list[ShardWritten], token_dtype: np.dtype, identity: TokenizerIdentity,
-                      build: dict[str, Any], start: float) -> ShardedManifest:
-    return ShardedManifest(
-        format_version=SHARDED_FORMAT_VERSION, shards=[shard.directory.name for shard in written],
-        num_tokens=sum(s.num_tokens for s in written), num_documents=sum(s.num_documents for s in written),
-        token_dtype=token_dtype.name, separator=separator_for(token_dtype), tokenizer=identity,
-        build={**build, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "seconds": round(time.perf_counter() - start, 2)},
-    )
-
-
 def chat_renderer(tokenizer: PreTrainedTokenizerFast) -> ChatRenderer | None:
     """Renders chat messages with the tokenizer's chat template (None when it has none)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -271,7 +248,7 @@ def document_batches(documents: Iterable[str], batch_chars: int = BATCH_CHARS) -
         yield batch
 
 
-def _write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, files: ShardFiles, dtype: np.dtype,
+def write_tokens(tokenizer: PreTrainedTokenizerFast, stream: DocumentStream, files: ShardFiles, dtype: np.dtype,
                   progress: bool) -> None:
     backend = tokenizer.backend_tokenizer
     separator = np.array([separator_for(dtype)], dtype=dtype)
