@@ -2,9 +2,10 @@
 
 The store (default: the embedded ``python-code`` recipe, 73M tokens of the Python standard
 library) is split at document boundaries into S shards of near-equal size, each sorted on its own
-(in a fresh process, whose peak memory is reported), and opened as a sharded store. Contexts are
-the 164 HumanEval prompts tokenized and cut at random points (at least 32 tokens). For each
-batch size, REST's kernel (serving defaults, chains of 32 and trees of the default width) drafts
+(in a fresh process; the peak memory of sorting it alone is measured in another), and opened as
+a sharded store (and the whole store's tokens are sorted alone once, for the same peak). Contexts
+are the 164 HumanEval prompts tokenized and cut at random points (at least 32 tokens). For each
+batch size, REST's kernel (serving defaults, chains of 32: the README's configuration) drafts
 the same batches from the single store and from each sharded one, alternating, after both are
 read into the page cache: p50/p99 per step, and every draft compared (the drafts must be
 identical: 0 differing rows).
@@ -22,7 +23,8 @@ import dataclasses
 import itertools
 import json
 import platform
-import resource
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -67,19 +69,30 @@ def document_cuts(tokens: np.ndarray, separator: int, shards: int) -> list[int]:
     return [0, *sorted(set(picked.tolist())), len(tokens)]
 
 
-def sort_and_measure(shard: ShardWritten, identity: object, build: dict) -> tuple[ShardBuilt, float, float]:
-    """One shard sorted in this (fresh) process: what it built, seconds, and the peak resident MB
-    the sort added to the process as imported (the process's peak before minus its size then)."""
-    before = resident_mb()
+def sort_and_measure(shard: ShardWritten, identity: object, build: dict) -> tuple[ShardBuilt, float]:
+    """One shard sorted (and its manifest written) in this fresh process: what it built, seconds."""
     start = time.perf_counter()
-    built = finish_shard(shard, identity, build, start)
-    return built, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    return finish_shard(shard, identity, build, start), time.perf_counter() - start
 
 
-def resident_mb() -> float:
-    """This process's resident memory now (``VmRSS``), MB."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+# VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.
+SORT_ALONE = """
+import sys
+from pathlib import Path
+import numpy as np
+from pydivsufsort import divsufsort
+suffix_array = divsufsort(np.fromfile(sys.argv[1], dtype=sys.argv[2]))
+status = Path("/proc/self/status").read_text().splitlines()
+print(int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024)
+"""
+
+
+def sort_peak_mb(tokens: Path, dtype: str) -> float:
+    """Peak resident MB of a process that reads a shard's tokens and sorts them, and nothing
+    else (the build's own processes also hold the package's imports)."""
+    done = subprocess.run([sys.executable, "-c", SORT_ALONE, str(tokens), dtype], capture_output=True, text=True,
+                          check=True)
+    return float(done.stdout.split()[-1])
 
 
 def write_shards(store: object, count: int, root: Path) -> tuple[Path, list[dict]]:
@@ -96,8 +109,9 @@ def write_shards(store: object, count: int, root: Path) -> tuple[Path, list[dict
     measured = []
     for shard in written:  # one at a time: each process's peak is one shard's
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-            built, seconds, peak_mb = pool.submit(sort_and_measure, shard, store.manifest.tokenizer, build).result()
-        measured.append({"tokens": built.num_tokens, "sort_seconds": round(seconds, 2), "sort_peak_mb": round(peak_mb),
+            built, seconds = pool.submit(sort_and_measure, shard, store.manifest.tokenizer, build).result()
+        measured.append({"tokens": built.num_tokens, "sort_seconds": round(seconds, 2),
+                         "sort_peak_mb": round(sort_peak_mb(shard.directory / TOKENS, store.manifest.token_dtype)),
                          "bytes_on_disk": built.bytes_on_disk})
     ShardedManifest(
         format_version=FORMAT_VERSION, shards=[shard.directory.name for shard in written],
@@ -170,7 +184,8 @@ def main() -> None:
             store.prefetch(wait=True)
         report = {"datastore": str(single.path), "tokens": single.manifest.num_tokens, "rest_params":
                   dataclasses.asdict(params), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                  "builds": {str(count): rows for count, rows in builds.items()}, "search": {}}
+                  "builds": {str(count): rows for count, rows in builds.items()}, "search": {},
+                  "single_sort_peak_mb": round(sort_peak_mb(single.path / TOKENS, single.manifest.token_dtype))}
         for size in args.batches:
             steps = max(10, args.steps * 8 // max(size, 8))
             contexts = prompt_contexts(model, size * steps, seed=size)
@@ -192,6 +207,7 @@ def print_table(report: dict) -> None:
                   f"{row['p50'] / rows['single']['p50']:.2f} | {row['differing_rows']} |")
     print("\n| shards | tokens per shard | sort s per shard (max) | sort's peak MB per shard (max) |")
     print("|---:|---:|---:|---:|")
+    print(f"| 1 (the store itself) | {report['tokens']:,} | – | {report['single_sort_peak_mb']} |")
     for count, rows in report["builds"].items():
         print(f"| {count} | {max(r['tokens'] for r in rows):,} | {max(r['sort_seconds'] for r in rows):.1f} | "
               f"{max(r['sort_peak_mb'] for r in rows)} |")

@@ -357,11 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory to tokenize with")
     add_input_arguments(build, "python-code")
     build.add_argument("--replace", action="store_true",
-                       help="rebuild an existing datastore (only a datastore or an empty directory is replaced)")
+                       help="rebuild an existing datastore (only a datastore or an empty directory is replaced; "
+                       "not with --shard-tokens)")
     build.add_argument("--shard-tokens", type=int, default=None, metavar="N",
                        help="build a sharded store: shards of consecutive documents of at most N tokens each "
                        "(at most 2^31 - 1), which REST searches as one suffix array; the sort's peak memory "
-                       "follows N, not the corpus (default: one suffix array)")
+                       "follows N, not the corpus, and a killed build resumes (default: one suffix array)")
     build.add_argument("--workers", type=int, default=1,
                        help="with --shard-tokens: shards sorted at once, each in its own process (default 1)")
     build.set_defaults(handler=_datastore_build)
