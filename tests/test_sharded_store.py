@@ -294,3 +294,22 @@ def test_a_resumable_build_refuses_what_it_did_not_write(model_dir, python_sourc
     with pytest.raises(FileExistsError, match=r"precious\.txt'.*which no build wrote"):
         build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "store", progress=False, shard_tokens=500)
     assert (work / "precious.txt").read_text() == "not ours" and not (tmp_path / "store").exists()
+
+
+def test_shards_sorted_on_a_local_ray_cluster_equal_a_local_build(model_dir, python_sources, tmp_path):
+    pytest.importorskip("ray", reason="the [scale] extra (Ray) is not installed")
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    local = build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "local", progress=False,
+                            shard_tokens=1_500)
+    on_ray = build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "ray", progress=False,
+                             shard_tokens=1_500, workers=2, ray_address="local")
+    assert (on_ray.num_tokens, on_ray.num_documents) == (local.num_tokens, local.num_documents)
+    expected, found = open_datastore(tmp_path / "local"), open_datastore(tmp_path / "ray")
+    assert len(found.shards) == len(expected.shards) >= 3
+    for shard, twin in zip(found.shards, expected.shards):
+        np.testing.assert_array_equal(np.asarray(shard.suffix_array), np.asarray(twin.suffix_array))
+    found.check_fully()
+    with pytest.raises(ValueError, match="--ray builds sharded stores"):
+        build_datastore(model_dir, [InputSpec(python_sources)], tmp_path / "single", ray_address="local")

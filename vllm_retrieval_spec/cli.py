@@ -265,7 +265,7 @@ def _datastore_build(args: argparse.Namespace) -> None:
         inputs = input_specs_of(args)
         out = Path(args.out)
     print(build_datastore(args.tokenizer, inputs, out, replace=args.replace, extra_build_info=extra,
-                          shard_tokens=args.shard_tokens, workers=args.workers).describe())
+                          shard_tokens=args.shard_tokens, workers=args.workers, ray_address=args.ray).describe())
 
 
 def _datastore_build_dense(args: argparse.Namespace) -> None:
@@ -364,7 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(at most 2^31 - 1), which REST searches as one suffix array; the sort's peak memory "
                        "follows N, not the corpus, and a killed build resumes (default: one suffix array)")
     build.add_argument("--workers", type=int, default=1,
-                       help="with --shard-tokens: shards sorted at once, each in its own process (default 1)")
+                       help="with --shard-tokens: shards sorted at once, each in its own process (default 1; with "
+                       "--ray: the CPUs of the local cluster)")
+    build.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="with --shard-tokens: sort the shards as Ray tasks, on a local cluster started for the "
+                       "build or on the cluster at ADDRESS (its nodes must see --out; needs the [scale] extra)")
     build.set_defaults(handler=_datastore_build)
     inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
     inspect.add_argument("path")

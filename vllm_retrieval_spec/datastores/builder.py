@@ -96,16 +96,20 @@ def build_datastore(
     extra_build_info: dict[str, Any] | None = None,
     shard_tokens: int | None = None,
     workers: int = 1,
+    ray_address: str | None = None,
 ) -> BuildReport:
     """Build a datastore from ``inputs`` with the tokenizer in ``tokenizer_dir``; with
     ``shard_tokens``, a sharded one of shards of at most that many tokens, sorted by
-    ``workers`` processes (``sharded_builder.py``: resumable, never replacing a store)."""
+    ``workers`` processes or on Ray (``ray_address``; ``sharded_builder.py``: resumable, never
+    replacing a store)."""
     out_dir = Path(out_dir)
     if shard_tokens is not None:
         from vllm_retrieval_spec.datastores.sharded_builder import build_sharded_datastore
 
         return build_sharded_datastore(tokenizer_dir, inputs, out_dir, shard_tokens=shard_tokens, workers=workers,
-                                       progress=progress, extra_build_info=extra_build_info)
+                                       progress=progress, extra_build_info=extra_build_info, ray_address=ray_address)
+    if ray_address is not None:
+        raise ValueError("--ray builds sharded stores: give --shard-tokens too")
     check_build_target(out_dir, replace, DATASTORE)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
@@ -117,13 +121,13 @@ def build_datastore(
         "package_version": __version__,
         **(extra_build_info or {}),
     }
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
         files = ShardFiles(tmp, None)
         write_tokens(tokenizer, stream, files, token_dtype_for(identity.vocab_size), progress)
         tokenize_seconds = time.perf_counter() - start
         build |= {"files_read": stream.files_read, "files_skipped_binary": stream.files_skipped}
-        (built,) = finish_shards(files.written, identity, build, start, workers=1, progress=False)
+        (built,) = finish_shards(files.written, identity, build, started_at, workers=1, progress=False)
     return BuildReport(out_dir, built.num_tokens, built.num_documents, time.perf_counter() - start,
                        tokenize_seconds, built.sort_seconds, built.bytes_on_disk, stream.files_read,
                        stream.files_skipped)
@@ -189,24 +193,60 @@ class ShardBuilt:
     bytes_on_disk: int
 
 
-def finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any], start: float,
-                  workers: int, progress: bool) -> list[ShardBuilt]:
-    """Sort every shard's suffixes and write its manifest, ``workers`` shards at a time (the
-    build ``start``ed at that ``time.perf_counter()``, a clock every process shares)."""
-    jobs = [(shard, identity, build, start) for shard in written]
-    if workers == 1 or len(jobs) <= 1:
-        return [finish_shard(*job) for job in tqdm(jobs, desc="sorting shards", unit="shard", disable=not progress)]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def finish_shards(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any],
+                  started_at: float, workers: int, progress: bool, ray_address: str | None = None) -> list[ShardBuilt]:
+    """Sort every shard's suffixes and write its manifest (the build started at ``started_at``,
+    a ``time.time()``): ``workers`` shards at a time in spawned processes, or as tasks of a Ray
+    cluster with ``ray_address`` (``"local"``: one started here with ``workers`` CPUs)."""
+    jobs = [(shard, identity, build, started_at) for shard in written]
+    bar = tqdm(total=len(jobs), desc="sorting shards", unit="shard", disable=not progress)
+    with bar:
+        if ray_address is not None:
+            return _finish_shards_on_ray(jobs, ray_address, workers, bar)
+        if workers == 1 or len(jobs) <= 1:
+            return [_counted(finish_shard(*job), bar) for job in jobs]
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    # Spawned, not forked: a fork of this process (the tokenizer's and tqdm's threads) can deadlock.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        return list(tqdm(pool.map(finish_shard, *zip(*jobs)), total=len(jobs), desc="sorting shards",
-                         unit="shard", disable=not progress))
+        # Spawned, not forked: a fork of this process (the tokenizer's and tqdm's threads) can deadlock.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+            return [_counted(built, bar) for built in pool.map(finish_shard, *zip(*jobs))]
 
 
-def finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[str, Any], start: float) -> ShardBuilt:
+def _counted(built: ShardBuilt, bar: tqdm) -> ShardBuilt:
+    bar.update(1)
+    return built
+
+
+def _finish_shards_on_ray(jobs: list[tuple], address: str, workers: int, bar: tqdm) -> list[ShardBuilt]:
+    """:func:`finish_shard` of every job as a Ray task (one CPU each), results in job order. The
+    shards' directory must be one every node sees (a shared file system) on a remote cluster."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError("--ray needs Ray: pip install 'vllm-retrieval-spec[scale]'") from error
+    started_here = not ray.is_initialized()
+    if started_here:
+        local = address == "local"
+        ray.init(address=None if local else address, num_cpus=workers if local else None,
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        sort = ray.remote(num_cpus=1)(finish_shard)
+        pending = [sort.remote(*job) for job in jobs]
+        order = {ref: i for i, ref in enumerate(pending)}
+        results: list[ShardBuilt | None] = [None] * len(jobs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            results[order[done[0]]] = _counted(ray.get(done[0]), bar)
+        return results
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[str, Any],
+                 started_at: float) -> ShardBuilt:
     """Sort one shard's suffixes and write its manifest (a datastore of its own)."""
     token_dtype = token_dtype_for(identity.vocab_size)
     sort_seconds = _write_suffix_array(shard.directory, shard.num_tokens, token_dtype)
@@ -216,7 +256,7 @@ def finish_shard(shard: ShardWritten, identity: TokenizerIdentity, build: dict[s
         separator=separator_for(token_dtype), tokenizer=identity,
         files=file_records(shard.directory, (TOKENS, SUFFIX_ARRAY)),
         build={**build, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "seconds": round(time.perf_counter() - start, 2)},
+               "seconds": round(time.time() - started_at, 2)},
     )
     manifest.write(shard.directory)
     return ShardBuilt(shard.num_tokens, shard.num_documents, sort_seconds,

@@ -71,9 +71,11 @@ def resumable_dir(out_dir: Path) -> Path:
 
 def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpec], out_dir: Path, *,
                             shard_tokens: int, workers: int = 1, progress: bool = True,
-                            extra_build_info: dict[str, Any] | None = None) -> BuildReport:
+                            extra_build_info: dict[str, Any] | None = None,
+                            ray_address: str | None = None) -> BuildReport:
     """A sharded datastore of ``inputs`` at ``out_dir`` (see the module), resuming a killed build
-    of the same plan."""
+    of the same plan; shards sorted by ``workers`` local processes or on Ray (``ray_address``:
+    ``"local"`` or a cluster's address; see :func:`~.builder.finish_shards`)."""
     _check_request(out_dir, shard_tokens, workers)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
@@ -83,7 +85,7 @@ def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpe
         "tokenizer": asdict(identity), "tokenizer_dir": str(tokenizer_dir), "shard_tokens": shard_tokens,
         "package_version": __version__, **(extra_build_info or {}),
     }
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     work = resumable_dir(out_dir)
     with _locked(work, out_dir):
         tokenized = _read_plan(work, plan)
@@ -106,9 +108,9 @@ def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpe
             "workers": workers}
         todo = [shard for shard in written if shard.directory.name not in kept]
         sorted_now = dict(zip([s.directory.name for s in todo],
-                              finish_shards(todo, identity, build, start, workers, progress)))
+                              finish_shards(todo, identity, build, started_at, workers, progress, ray_address)))
         shards = [kept.get(s.directory.name) or sorted_now[s.directory.name] for s in written]
-        _store_manifest(written, identity, build, start).write(work)
+        _store_manifest(written, identity, build, started_at).write(work)
         (work / PLAN).unlink()
         (work / LOCK).unlink()
         os.replace(work, out_dir)
@@ -198,14 +200,14 @@ def _already_built(shard: ShardWritten) -> ShardBuilt | None:
 
 
 def _store_manifest(written: list[ShardWritten], identity: TokenizerIdentity, build: dict[str, Any],
-                    start: float) -> ShardedManifest:
+                    started_at: float) -> ShardedManifest:
     token_dtype = token_dtype_for(identity.vocab_size)
     return ShardedManifest(
         format_version=FORMAT_VERSION, shards=[shard.directory.name for shard in written],
         num_tokens=sum(s.num_tokens for s in written), num_documents=sum(s.num_documents for s in written),
         token_dtype=token_dtype.name, separator=separator_for(token_dtype), tokenizer=identity,
         build={**build, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "seconds": round(time.perf_counter() - start, 2)},
+               "seconds": round(time.time() - started_at, 2)},
     )
 
 
