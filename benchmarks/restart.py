@@ -17,7 +17,8 @@ them (traffic that partly recurs: half seen before, half new).
     python benchmarks/restart.py --dataset benchmarks/data/humaneval_chat.jsonl --learn 100 --measure 100 \\
         --concurrency 8   (one command line)
 
-Writes benchmarks/results/restart_<dataset>_n<measure>_c<concurrency>[_<tag>].json and prints a table.
+Writes benchmarks/results/restart_<dataset>_n<measure>_c<concurrency>[_no_prefix_caching][_<tag>].json and
+prints a table.
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vrs-restart-") as snapshot_dir:
         rows = run_servers(args, Path(snapshot_dir))
+    caching = "" if args.prefix_caching else "_no_prefix_caching"  # two runs differing in it keep both files
     tag = f"_{args.tag}" if args.tag else ""
-    path = RESULTS / f"restart_{args.dataset.stem}_n{args.measure}_c{args.concurrency}{tag}.json"
+    path = RESULTS / f"restart_{args.dataset.stem}_n{args.measure}_c{args.concurrency}{caching}{tag}.json"
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
               "rows": [{k: round(v, ROUNDING) if isinstance(v, float) else v for k, v in row.items()} for row in rows]}
