@@ -414,25 +414,36 @@ class ContinuationTrie {
   std::vector<int32_t> next_kid_;   // per chosen node: its next chosen sibling
 };
 
-// Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is
-// monotone in n, so binary search over n). Returns n (0: none) and the SA range.
-template <typename Tok, typename Idx>
-int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* ctx, int n,
-                            const RestParams& prm, int64_t* lo, int64_t* hi) {
+// Longest n in [n_min, min(n_max, n)] for which occurs(n) holds (0: none), by binary search over
+// n: occurrence of a context's last n tokens is monotone in n.
+template <typename Occurs>
+int longest_occurring(const RestParams& prm, int n, Occurs&& occurs) {
   int low = std::max(prm.n_min, 1), high = std::min(prm.n_max, n), best = 0;
-  int64_t best_first = 0, best_bucket_end = 0;
   while (low <= high) {
     const int mid = low + (high - low) / 2;
-    int64_t first, bucket_end;
-    if (index.occurs(ctx + n - mid, mid, &first, &bucket_end)) {
+    if (occurs(mid)) {
       best = mid;
-      best_first = first;
-      best_bucket_end = bucket_end;
       low = mid + 1;
     } else {
       high = mid - 1;
     }
   }
+  return best;
+}
+
+// Longest n in [n_min, n_max] whose last-n-token query occurs in the datastore (occurrence is
+// monotone in n, so binary search over n). Returns n (0: none) and the SA range.
+template <typename Tok, typename Idx>
+int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* ctx, int n,
+                            const RestParams& prm, int64_t* lo, int64_t* hi) {
+  int64_t best_first = 0, best_bucket_end = 0;
+  const int best = longest_occurring(prm, n, [&](int len) {
+    int64_t first, bucket_end;
+    if (!index.occurs(ctx + n - len, len, &first, &bucket_end)) return false;
+    best_first = first;  // the last success is the longest
+    best_bucket_end = bucket_end;
+    return true;
+  });
   if (best > 0) {
     *lo = best_first;
     *hi = index.upper_bound(ctx + n - best, best, best_first, best_bucket_end);
@@ -476,22 +487,12 @@ int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx
                           std::vector<ShardRange>& ranges) {
   ranges.assign(store.count, ShardRange{});
   if (store.count == 1) return longest_datastore_match(store.shards[0], ctx, n, prm, &ranges[0].lo, &ranges[0].hi);
-  auto occurs_anywhere = [&](int len) {
+  const int best = longest_occurring(prm, n, [&](int len) {
     int64_t first, bucket_end;
     for (int s = 0; s < store.count; ++s)
       if (store.shards[s].occurs(ctx + n - len, len, &first, &bucket_end)) return true;
     return false;
-  };
-  int low = std::max(prm.n_min, 1), high = std::min(prm.n_max, n), best = 0;
-  while (low <= high) {
-    const int mid = low + (high - low) / 2;
-    if (occurs_anywhere(mid)) {
-      best = mid;
-      low = mid + 1;
-    } else {
-      high = mid - 1;
-    }
-  }
+  });
   for (int s = 0; best > 0 && s < store.count; ++s) {
     const SuffixIndex<Tok, Idx>& shard = store.shards[s];
     int64_t first, bucket_end;

@@ -114,13 +114,7 @@ def build_datastore(
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
     stream = DocumentStream(inputs, chat_renderer(tokenizer))
-    build = {
-        "inputs": [{"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
-                    "text_field": s.text_field} for s in inputs],
-        "tokenizer_dir": str(tokenizer_dir),
-        "package_version": __version__,
-        **(extra_build_info or {}),
-    }
+    build = build_info(tokenizer_dir, inputs, extra_build_info)
     start, started_at = time.perf_counter(), time.time()
     with atomic_directory(out_dir, replace=replace, kind=DATASTORE) as tmp:
         files = ShardFiles(tmp, None)
@@ -131,6 +125,18 @@ def build_datastore(
     return BuildReport(out_dir, built.num_tokens, built.num_documents, time.perf_counter() - start,
                        tokenize_seconds, built.sort_seconds, built.bytes_on_disk, stream.files_read,
                        stream.files_skipped)
+
+
+def build_info(tokenizer_dir: str | Path, inputs: Sequence[InputSpec],
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a manifest records of how its store was asked for: inputs, tokenizer, version."""
+    return {
+        "inputs": [{"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
+                    "text_field": s.text_field} for s in inputs],
+        "tokenizer_dir": str(tokenizer_dir),
+        "package_version": __version__,
+        **(extra or {}),
+    }
 
 
 @dataclass

@@ -23,12 +23,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_retrieval_spec import __version__
 from vllm_retrieval_spec.datastores.builder import (
     BuildReport,
     ShardBuilt,
     ShardFiles,
     ShardWritten,
+    build_info,
     chat_renderer,
     finish_shards,
     load_tokenizer,
@@ -79,12 +79,8 @@ def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpe
     _check_request(out_dir, shard_tokens, workers)
     tokenizer = load_tokenizer(tokenizer_dir)
     identity = TokenizerIdentity.of(tokenizer, name=Path(tokenizer_dir).name)
-    plan = {
-        "inputs": [{"path": str(s.path), "include": list(s.include), "exclude": list(s.exclude),
-                    "text_field": s.text_field} for s in inputs],
-        "tokenizer": asdict(identity), "tokenizer_dir": str(tokenizer_dir), "shard_tokens": shard_tokens,
-        "package_version": __version__, **(extra_build_info or {}),
-    }
+    plan = build_info(tokenizer_dir, inputs, extra_build_info) | {"tokenizer": asdict(identity),
+                                                                   "shard_tokens": shard_tokens}
     start, started_at = time.perf_counter(), time.time()
     work = resumable_dir(out_dir)
     with _locked(work, out_dir):
