@@ -92,6 +92,21 @@ def store(model_dir: Path, source_tree: Path, tmp_path: Path) -> Path:
     return tmp_path / "store"
 
 
+@pytest.fixture()
+def python_sources(tmp_path: Path) -> Path:
+    """Forty small Python modules of varying length (documents of 20-400 tokens)."""
+    import numpy as np
+
+    root = tmp_path / "src"
+    root.mkdir()
+    rng = np.random.default_rng(6)
+    for i in range(40):
+        lines = int(rng.integers(1, 30))
+        body = "".join(f"    total = total + value_{j} * {int(rng.integers(100))}\n" for j in range(lines))
+        (root / f"module_{i:02d}.py").write_text(f"def compute_{i}(values):\n    total = 0\n{body}    return total\n")
+    return root
+
+
 @pytest.fixture(scope="session")
 def ngram_table_dir(model_dir, tmp_path_factory):
     """N-Grammys tables built from the real model (one forward pass over the vocabulary)."""

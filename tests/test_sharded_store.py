@@ -150,6 +150,13 @@ BAD_STORES = {
     "a name outside the store": (lambda p: _edit(p, shards=["shard-00000", "../elsewhere"]), "shard-NNNNN"),
     "no shards": (lambda p: _edit(p, shards=[]), "shard-NNNNN"),
     "totals that disagree": (lambda p: _edit(p, num_tokens=500), "its shards hold"),
+    "ids without a next id": (lambda p: _edit(p, document_ids=[[[0, 2]], [[2, 4]], [[4, 6]]]), "given together"),
+    "overlapping ids": (lambda p: _edit(p, document_ids=[[[0, 2]], [[1, 3]], [[4, 6]]], next_document_id=6),
+                        "increasing, disjoint"),
+    "ids past the next id": (lambda p: _edit(p, document_ids=[[[0, 2]], [[2, 4]], [[4, 8]]], next_document_id=6),
+                             "below 'next_document_id'"),
+    "ids a shard does not hold": (lambda p: _edit(p, document_ids=[[[0, 2]], [[2, 3]], [[4, 6]]],
+                                                  next_document_id=6), "ids for shard-00001, which holds 2"),
     "a shard of another tokenizer": (
         lambda p: _edit(p / "shard-00001", tokenizer={**json.loads((p / "manifest.json").read_text())["tokenizer"],
                                                       "name": "other", "vocab_sha256": "e" * 64}),
@@ -168,19 +175,6 @@ def test_a_bad_sharded_store_is_refused_naming_the_shard(tmp_path, damage):
 
 
 # ---- Building with the real tokenizer ----
-
-
-@pytest.fixture()
-def python_sources(tmp_path: Path) -> Path:
-    """Forty small Python modules of varying length (documents of 20-400 tokens)."""
-    root = tmp_path / "src"
-    root.mkdir()
-    rng = np.random.default_rng(6)
-    for i in range(40):
-        lines = int(rng.integers(1, 30))
-        body = "".join(f"    total = total + value_{j} * {int(rng.integers(100))}\n" for j in range(lines))
-        (root / f"module_{i:02d}.py").write_text(f"def compute_{i}(values):\n    total = 0\n{body}    return total\n")
-    return root
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -7,7 +7,8 @@
 - ``demo``: the README's main job — serve the real model with and without our proposer,
   answer prompts through the OpenAI client and compare acceptance and speed.
 - ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
-  (or a recipe in ``datastores/``), and check one; ``build-dense``: a DReSD store;
+  (or a recipe in ``datastores/``), and check one; ``add / remove``: grow or shrink a sharded
+  store in place (a running server picks the change up); ``build-dense``: a DReSD store;
   ``from-server``: stores from a running server's answers to a prompt file.
 - ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -268,6 +270,46 @@ def _datastore_build(args: argparse.Namespace) -> None:
                           shard_tokens=args.shard_tokens, workers=args.workers, ray_address=args.ray).describe())
 
 
+def _add_sorting_arguments(parser: argparse.ArgumentParser, condition: str) -> None:
+    """``--workers`` and ``--ray``: where the shards of a build (or an addition) are sorted."""
+    parser.add_argument("--workers", type=int, default=1,
+                        help=f"{condition}shards sorted at once, each in its own process (default 1; with --ray: "
+                        "the CPUs of the local cluster)")
+    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                        help=f"{condition}sort the shards as Ray tasks, on a local cluster started for the build or "
+                        "on the cluster at ADDRESS (its nodes must see the store; needs the [scale] extra)")
+
+
+def _datastore_add(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores.sharded_edit import add_documents
+    from vllm_retrieval_spec.datastores.sources import input_specs_of
+    from vllm_retrieval_spec.storage import TOKENIZER_FILES, local_model_dir
+
+    local_model_dir(args.tokenizer, "--tokenizer", TOKENIZER_FILES)
+    require_ints({"--workers": (args.workers, 1, 4096)}, CommandLineError)
+    print(add_documents(args.store, args.tokenizer, input_specs_of(args), workers=args.workers,
+                        ray_address=args.ray).describe())
+
+
+def _datastore_remove(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores.sharded_edit import remove_documents
+
+    print(remove_documents(args.store, _document_ids(args.document)).describe())
+
+
+def _document_ids(values: Sequence[str]) -> list[int]:
+    """``--document`` values (``N`` or ``FIRST-LAST``) as ids."""
+    ids: list[int] = []
+    for value in values:
+        found = re.fullmatch(r"(\d+)(?:-(\d+))?", value)
+        first, last = (int(found[1]), int(found[2] or found[1])) if found else (0, -1)
+        if last < first:
+            raise CommandLineError(f"datastore remove: --document {value!r} is not an id N or a range FIRST-LAST of "
+                                   "ids (FIRST <= LAST)")
+        ids.extend(range(first, last + 1))
+    return ids
+
+
 def _datastore_build_dense(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastores.dense_cli import run_build_dense
 
@@ -349,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
 
-    from vllm_retrieval_spec.datastores.sources import add_input_arguments
+    from vllm_retrieval_spec.datastores.sources import add_document_arguments, add_input_arguments
 
-    datastore = commands.add_parser("datastore", help="build or inspect REST and dense (DReSD) datastores")
+    datastore = commands.add_parser("datastore", help="build, grow or inspect REST and dense (DReSD) datastores")
     datastore_commands = datastore.add_subparsers(dest="datastore_command", required=True)
     build = datastore_commands.add_parser("build", help="tokenize inputs and build the suffix array")
     build.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory to tokenize with")
@@ -363,13 +405,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="build a sharded store: shards of consecutive documents of at most N tokens each "
                        "(at most 2^31 - 1), which REST searches as one suffix array; the sort's peak memory "
                        "follows N, not the corpus, and a killed build resumes (default: one suffix array)")
-    build.add_argument("--workers", type=int, default=1,
-                       help="with --shard-tokens: shards sorted at once, each in its own process (default 1; with "
-                       "--ray: the CPUs of the local cluster)")
-    build.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                       help="with --shard-tokens: sort the shards as Ray tasks, on a local cluster started for the "
-                       "build or on the cluster at ADDRESS (its nodes must see --out; needs the [scale] extra)")
+    _add_sorting_arguments(build, "with --shard-tokens: ")
     build.set_defaults(handler=_datastore_build)
+    add = datastore_commands.add_parser(
+        "add", help="append documents to a sharded datastore as new shards (a running server picks them up)")
+    add.add_argument("store", help="sharded datastore directory")
+    add.add_argument("--tokenizer", required=True, help="model (or tokenizer) directory: the store's tokenizer")
+    add_document_arguments(add, required=True)
+    _add_sorting_arguments(add, "")
+    add.set_defaults(handler=_datastore_add)
+    remove = datastore_commands.add_parser(
+        "remove", help="take documents out of a sharded datastore by id (a running server picks the change up)")
+    remove.add_argument("store", help="sharded datastore directory")
+    remove.add_argument("--document", nargs="+", required=True, metavar="ID",
+                        help="document ids (N, or FIRST-LAST for a range) as `datastore inspect` and `datastore "
+                        "add` list them")
+    remove.set_defaults(handler=_datastore_remove)
     inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
     inspect.add_argument("path")
     inspect.add_argument("--full", action="store_true", help="also verify the files' sha256")

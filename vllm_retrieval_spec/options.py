@@ -110,6 +110,11 @@ class RetrievalSpecOptions:
         "REST: a datastore directory, or the name of a recipe in datastores/ built into the cache",
     )
     use_datastore: bool = _option(True, _bool, "REST: retrieve from the datastore")
+    datastore_reload_seconds: float = _option(
+        2.0, _float_in(0.0, 86_400.0),
+        "REST: how often the datastore's manifest is checked for a change on disk (datastore add / remove, build "
+        "--replace); a changed store is opened in the background and swapped in between two steps (0: never)",
+    )
     use_context: bool = _option(True, _bool, "REST: retrieve from the request's own context")
     context_weight: float = _option(
         256.0, _float_in(0.0, 1e6), "REST: weight of one context continuation (a datastore one weighs 1)"

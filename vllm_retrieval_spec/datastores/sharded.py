@@ -6,7 +6,12 @@ A sharded datastore directory holds:
   over a run of consecutive documents, at most ``2^31`` tokens;
 - ``manifest.json``: format version, the shard directory names in document order, the total
   token and document counts, the token dtype and separator every shard shares, the tokenizer's
-  identity, and how it was built.
+  identity, how it was built, and each shard's document ids (runs of ``[first, stop)``; ids are
+  given in order as documents are built or added, never reused; stores that do not list them
+  number their documents consecutively).
+
+``sharded_edit.py`` grows and shrinks a store in place; every change ends by renaming a new
+manifest over the old one, so a reader sees the store before or after it, never between.
 
 REST's kernel searches the shards of a step in one call and drafts exactly what one suffix
 array over the shards' concatenated tokens would (``csrc/sharded_store.h``); each shard is
@@ -15,11 +20,15 @@ memory-mapped read-only once per process, like a single-array store.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from vllm_retrieval_spec.datastores.background_check import VerifiedInBackground
 from vllm_retrieval_spec.datastores.format import DATASTORE, TOKEN_DTYPES, DatastoreError
@@ -32,7 +41,6 @@ from vllm_retrieval_spec.storage import (
     manifest_record,
     read_manifest,
     refuse_another_identity,
-    write_manifest,
 )
 
 FORMAT_VERSION = 1
@@ -75,9 +83,14 @@ class ShardedManifest:
     separator: int
     tokenizer: TokenizerIdentity
     build: dict[str, Any]
+    document_ids: list[Any] | None = None  # per shard, runs [first, stop) of its documents' ids
+    next_document_id: int | None = None  # the id the next added document gets
 
     def write(self, directory: Path) -> None:
-        write_manifest(directory, asdict(self))
+        """Write the manifest next to its place and rename it there (a reader sees all or nothing)."""
+        partial = directory / f".{MANIFEST}.partial"
+        partial.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(partial, directory / MANIFEST)
 
     @classmethod
     def read(cls, directory: Path) -> ShardedManifest:
@@ -94,7 +107,49 @@ class ShardedManifest:
         if bad or not manifest.shards or len(set(manifest.shards)) != len(manifest.shards):
             raise SHARDED_DATASTORE.corrupt(directory, f"'shards' must list distinct shard-NNNNN names, not "
                                                        f"{manifest.shards[:4]!r}")
+        _check_document_ids(directory, manifest)
         return manifest
+
+
+def _check_document_ids(directory: Path, manifest: ShardedManifest) -> None:
+    """``document_ids`` (when listed) holds one list per shard of increasing, disjoint
+    ``[first, stop)`` runs, all below ``next_document_id``."""
+    runs, next_id = manifest.document_ids, manifest.next_document_id
+    if runs is None and next_id is None:
+        return
+    if runs is None or type(next_id) is not int or len(runs) != len(manifest.shards):
+        raise SHARDED_DATASTORE.corrupt(directory, "'document_ids' and 'next_document_id' must be given together, "
+                                                   "one list of runs per shard")
+    previous = 0
+    for run in [run for shard_runs in runs for run in (shard_runs if isinstance(shard_runs, list) else [shard_runs])]:
+        if not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run)
+                and previous <= run[0] < run[1] <= next_id):
+            raise SHARDED_DATASTORE.corrupt(directory, f"'document_ids' must hold increasing, disjoint [first, stop) "
+                                                       f"runs below 'next_document_id' ({next_id}), not {run!r}")
+        previous = run[1]
+
+
+def consecutive_id_runs(first: int, counts: list[int]) -> list[list[list[int]]]:
+    """The id runs of shards of ``counts`` documents numbered consecutively from ``first``."""
+    stops = np.cumsum([first, *counts]).tolist()
+    return [[[a, b]] if b > a else [] for a, b in itertools.pairwise(stops)]
+
+
+def format_id_runs(runs: list[list[int]], most: int = 4) -> str:
+    """``runs`` as people read them: ``0-4, 7, 9-12`` (the first ``most`` runs, then a count)."""
+    shown = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs[:most])
+    more = f" and {len(runs) - most} more runs" if len(runs) > most else ""
+    return (shown + more) or "none"
+
+
+def id_runs(ids: np.ndarray) -> list[list[int]]:
+    """Increasing ``ids`` as runs of consecutive ones, ``[[first, stop), ...]``."""
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    firsts = ids[np.concatenate([[0], breaks])]
+    lasts = ids[np.concatenate([breaks - 1, [len(ids) - 1]])]
+    return [[int(first), int(last) + 1] for first, last in zip(firsts, lasts)]
 
 
 @dataclass
@@ -121,6 +176,11 @@ class ShardedDatastore(VerifiedInBackground):
                        for name in manifest.shards)
         for shard in shards:
             _check_shard(path, manifest, shard)
+        listed = manifest.document_ids or [None] * len(shards)
+        for shard, runs in zip(shards, listed):
+            if runs is not None and sum(stop - first for first, stop in runs) != shard.manifest.num_documents:
+                raise SHARDED_DATASTORE.corrupt(path, f"'document_ids' lists {sum(b - a for a, b in runs)} ids for "
+                                                      f"{shard.path.name}, which holds {shard.manifest.num_documents}")
         totals = {"num_tokens": sum(s.manifest.num_tokens for s in shards),
                   "num_documents": sum(s.manifest.num_documents for s in shards)}
         for key, total in totals.items():
@@ -139,6 +199,18 @@ class ShardedDatastore(VerifiedInBackground):
     def separator(self) -> int:
         return self.manifest.separator
 
+    def id_runs(self) -> list[list[list[int]]]:
+        """Each shard's document ids as runs ``[first, stop)`` (consecutive from 0 when the
+        manifest lists none: a store as built)."""
+        if self.manifest.document_ids is not None:
+            return self.manifest.document_ids
+        return consecutive_id_runs(0, [shard.manifest.num_documents for shard in self.shards])
+
+    @property
+    def next_document_id(self) -> int:
+        listed = self.manifest.next_document_id
+        return self.manifest.num_documents if listed is None else listed
+
     def check_fully(self) -> None:
         """Every shard's checksums."""
         for shard in self.shards:
@@ -155,10 +227,11 @@ class ShardedDatastore(VerifiedInBackground):
             f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
             f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
         ]
-        for shard in self.shards:
+        for shard, runs in zip(self.shards, self.id_runs()):
             bytes_on_disk = sum(f["bytes"] for f in shard.manifest.files.values())
             lines.append(f"  {shard.path.name}: {shard.manifest.num_tokens:,} tokens, "
-                         f"{shard.manifest.num_documents:,} documents, {bytes_on_disk / 1e6:.1f} MB")
+                         f"{shard.manifest.num_documents:,} documents (ids {format_id_runs(runs)}), "
+                         f"{bytes_on_disk / 1e6:.1f} MB")
         return "\n".join(lines)
 
 

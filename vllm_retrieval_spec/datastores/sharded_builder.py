@@ -177,7 +177,12 @@ def _written_by_a_build(entry: Path) -> bool:
         return False
     if entry.name in (LOCK, PLAN, PLAN + PARTIAL, MANIFEST):
         return entry.is_file()
-    return (entry.is_dir() and SHARD_NAME.fullmatch(entry.name) is not None
+    return is_shard_directory(entry)
+
+
+def is_shard_directory(entry: Path) -> bool:
+    """Whether ``entry`` is a ``shard-NNNNN`` directory holding only files a build writes there."""
+    return (entry.is_dir() and not entry.is_symlink() and SHARD_NAME.fullmatch(entry.name) is not None
             and all(f.name in SHARD_FILES and f.is_file() and not f.is_symlink() for f in entry.iterdir()))
 
 

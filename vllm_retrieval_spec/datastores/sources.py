@@ -42,9 +42,16 @@ class InputSpec:
 
 def add_input_arguments(parser: argparse.ArgumentParser, recipe_example: str) -> None:
     """The flags that say what a store is built from (``datastore build`` and ``build-dense``)."""
-    parser.add_argument("--input", nargs="+", help="text files, directories, .zip archives, .jsonl(.gz) files")
+    add_document_arguments(parser, required=False)
     parser.add_argument("--recipe", help=f"build a recipe from datastores/ instead (e.g. {recipe_example})")
     parser.add_argument("--out", help="store directory (default for recipes: the cache)")
+
+
+def add_document_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """The flags that say which documents to read (these and a recipe build stores; these alone
+    are what ``datastore add`` adds)."""
+    parser.add_argument("--input", nargs="+", required=required,
+                        help="text files, directories, .zip archives, .jsonl(.gz) files")
     parser.add_argument("--include", action="append", help="glob of files to take (repeatable; default *)")
     parser.add_argument("--exclude", action="append", help="glob of files to skip (repeatable)")
     parser.add_argument("--text-field", default="text", help="JSONL field with the text (default text; "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model
+from vllm_retrieval_spec.datastores.sharded import open_datastore
+from vllm_retrieval_spec.datastores.watch import ReloadingDatastore
 from vllm_retrieval_spec.kernels.rest import ChanceTable, RestDrafts, RestParams, rest_retrieve
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
 
@@ -26,13 +29,13 @@ class RestProposer(DraftProposer):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         options = self.options
-        self.datastore = None
+        self.datastore: ReloadingDatastore | None = None
         if options.use_datastore:
-            self.datastore, _ = open_datastore_for_model(
-                options.datastore, vllm_config.model_config.tokenizer
-            )
-            self.datastore.prefetch()
-            self.datastore.verify_in_background()  # a changed file stops drafting from it, logged
+            store, identity = open_datastore_for_model(options.datastore, vllm_config.model_config.tokenizer)
+            store.prefetch()
+            store.verify_in_background()  # a changed file stops drafting from it, logged
+            self.datastore = ReloadingDatastore(store, functools.partial(open_datastore, expected_tokenizer=identity),
+                                                options.datastore_reload_seconds)
         self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens,
                                               top_k=self.candidate_tree_size())
         self.last_drafts: RestDrafts | None = None
@@ -46,7 +49,8 @@ class RestProposer(DraftProposer):
     def draft(self, batch: DraftBatch) -> RestDrafts:
         output_index = self.session.output_index if self.session is not None else None
         self.last_drafts = rest_retrieve(
-            self.datastore, batch.token_ids, batch.num_tokens, batch.rows, self.params,
+            None if self.datastore is None else self.datastore.current(), batch.token_ids, batch.num_tokens,
+            batch.rows, self.params,
             output_index=None if output_index is None else output_index.native,
             live=self._live_matches(batch),
             chances=self._chances(),
