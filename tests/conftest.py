@@ -25,6 +25,8 @@ from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E4
 if TYPE_CHECKING:
     from vllm import LLM
 
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
 E2E_PROMPTS = 20
 BATCH1_PROMPTS = 10  # the first ones also run one at a time (batch 1 costs the most per token)
 E2E_MAX_TOKENS = 64
@@ -49,17 +51,21 @@ def gemma_dir() -> Path:
     return ensure_gemma3_checkpoint()
 
 
-def build_stdlib_store(model: Path, out: Path, packages: tuple[str, ...]) -> Path:
-    """A real code datastore in ``model``'s tokens: the ``packages`` of the interpreter's
-    standard library, without their tests."""
+def stdlib_inputs(packages: tuple[str, ...]) -> list[InputSpec]:
+    """The ``packages`` of the interpreter's standard library, without their tests."""
     import sysconfig
 
-    from vllm_retrieval_spec.datastores.builder import build_datastore
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    inputs = [InputSpec(stdlib / name, include=("*.py",), exclude=("test*",)) for name in packages]
-    build_datastore(model, inputs, out, progress=False)
+    return [InputSpec(stdlib / name, include=("*.py",), exclude=("test*",)) for name in packages]
+
+
+def build_stdlib_store(model: Path, out: Path, packages: tuple[str, ...], shard_tokens: int | None = None) -> Path:
+    """A real code datastore in ``model``'s tokens of :func:`stdlib_inputs` (sharded with ``shard_tokens``)."""
+    from vllm_retrieval_spec.datastores.builder import build_datastore
+
+    build_datastore(model, stdlib_inputs(packages), out, progress=False, shard_tokens=shard_tokens)
     return out
 
 

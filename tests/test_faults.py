@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,7 @@ from vllm_retrieval_spec.evaluation.client import openai_client, run_prompts
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
-from vllm_retrieval_spec.evaluation.server import VllmServer
+from vllm_retrieval_spec.evaluation.server import VllmServer, wait_until
 from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES
 
 from conftest import running_engine
@@ -265,26 +263,6 @@ def store_copy(code_store, tmp_path_factory) -> Path:
     return Path(shutil.copytree(code_store, tmp_path_factory.mktemp("store-copy") / "store"))
 
 
-def server_log(server: VllmServer) -> str:
-    return server.log_path.read_text(errors="replace")
-
-
-def metric(server: VllmServer, name: str) -> float:
-    """A series of ``/metrics``, summed over its labels."""
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$"
-    return sum(float(value) for value in re.findall(pattern, server.metrics_text(), flags=re.M))
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 120.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout_s`` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 # --- 1. A failing proposer --------------------------------------------------------------------
 
 
@@ -299,8 +277,8 @@ def test_failing_proposer_keeps_serving_exactly(model_dir, reference):
         before = server.spec_decode_counters()
         records = generate(server, PROMPTS, CONCURRENT)
         counters = server.spec_decode_counters() - before
-        failures = metric(server, "vllm_retrieval_spec:drafting_failures_total")
-        log = server_log(server)
+        failures = server.metric("vllm_retrieval_spec:drafting_failures_total")
+        log = server.log_text()
     assert_same_outputs(reference.records, records)
     assert counters.accepted_tokens > 0  # the steps that did not fail drafted
     assert failures > 1  # the counter rose past the first failure
@@ -339,10 +317,10 @@ class TestChainMode:
             read = list(pool.map(lambda prompt: hang_up_after_chunks(rest_server, prompt), prompts))
         assert read == [CHUNKS_BEFORE_HANG_UP] * DISCONNECTING_CLIENTS
         idle = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-        assert wait_until(lambda: all(metric(rest_server, f"vllm:{name}") == 0 for name in idle)), {
-            name: metric(rest_server, f"vllm:{name}") for name in idle}
+        assert wait_until(lambda: all(rest_server.metric(f"vllm:{name}") == 0 for name in idle)), {
+            name: rest_server.metric(f"vllm:{name}") for name in idle}
         assert_same_outputs(reference.records[:4], generate(rest_server, PROMPTS[:4], 4))
-        assert DRAFTING_FAILED not in server_log(rest_server)
+        assert DRAFTING_FAILED not in rest_server.log_text()
 
     def test_bad_and_edge_requests_are_answered_as_without_speculation(self, rest_server, reference, near_limit_ids):
         assert_meaningful_cases(reference.replies)
@@ -351,7 +329,7 @@ class TestChainMode:
             expected = expected_with_speculation(name, reference.replies[name])
             assert_same_reply(expected, send(rest_server, request), name)
         assert (rest_server.spec_decode_counters() - before).accepted_tokens > 0
-        assert DRAFTING_FAILED not in server_log(rest_server)
+        assert DRAFTING_FAILED not in rest_server.log_text()
 
 
 # --- 3 and tree-mode refusals -----------------------------------------------------------------
@@ -378,14 +356,14 @@ class TestTreeMode:
         """The store's files are memory-mapped: deleted mid-run, their pages stay valid."""
         with ThreadPoolExecutor(max_workers=1) as pool:
             during = pool.submit(generate, tree_server, PROMPTS[:8], 8)
-            assert wait_until(lambda: metric(tree_server, "vllm:num_requests_running") > 0)
+            assert wait_until(lambda: tree_server.metric("vllm:num_requests_running") > 0)
             assert not during.done()
             shutil.rmtree(store_copy)
             records = during.result()
         records += generate(tree_server, PROMPTS[8:16], 8)
         assert not store_copy.exists()
         assert_same_outputs(reference.records[:16], records)
-        assert DRAFTING_FAILED not in server_log(tree_server)
+        assert DRAFTING_FAILED not in tree_server.log_text()
 
 
 # --- 2. Aborted requests' state, in the engine ------------------------------------------------

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from vllm_retrieval_spec.datastores.sharded_edit import add_documents, remove_documents
 from vllm_retrieval_spec.evaluation import load
 from vllm_retrieval_spec.evaluation.load import (
     LoadRequest,
@@ -37,7 +38,9 @@ from vllm_retrieval_spec.evaluation.load import (
     summarize_run,
     synthetic_requests,
 )
-from vllm_retrieval_spec.evaluation.server import VllmServer, free_port
+from vllm_retrieval_spec.evaluation.server import VllmServer, free_port, wait_until
+
+from conftest import build_stdlib_store, stdlib_inputs
 
 LOAD_TEST = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
 
@@ -223,11 +226,29 @@ def test_runner_keeps_concurrency_and_reports_each_request(stream):
 MAX_NUM_SEQS = 16  # the 64 clients queue at the servers: 16 in flight
 
 
+STORE_PACKAGES = ("json", "email", "asyncio", "collections", "importlib", "unittest")
+RELOADED = "REST now drafts from the datastore"
+
+
 @pytest.fixture(scope="module")
-def rest_server(model_dir, code_store):
+def sharded_code_store(model_dir, tmp_path_factory) -> Path:
+    """The test code datastore, sharded (a test grows and shrinks it while it is served)."""
+    out = tmp_path_factory.mktemp("sharded") / "stdlib-subset"
+    return build_stdlib_store(model_dir, out, STORE_PACKAGES, shard_tokens=250_000)
+
+
+@pytest.fixture(scope="module")
+def rest_server(model_dir, sharded_code_store):
     spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
+    options = {"datastore": str(sharded_code_store), "datastore_reload_seconds": 0.5}
     with VllmServer(model_dir, speculative_config=spec, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
-                    additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
+                    additional_config={"retrieval_spec": options}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference_server(model_dir):
+    with VllmServer(model_dir, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)]) as server:
         yield server
 
 
@@ -257,16 +278,45 @@ def test_vllm_bench_serve_runs_through_our_cli(rest_server, model_dir):
 
 
 @pytest.mark.server
-def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_server, model_dir, tmp_path):
+def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_server, reference_server, tmp_path):
     out = tmp_path / "load64.json"
-    with VllmServer(model_dir, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)]) as reference:
-        subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
-                        reference.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
-                        "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
+    subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
+                    reference_server.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
+                    "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
     [row] = json.loads(out.read_text())["results"]
     assert row["completed"] == 200 and row["errors"] == {}
     greedy = sum(request.is_greedy(0.0) for request in mixed_requests(200, 16))
     assert row["compare"]["compared"] == greedy and row["compare"]["differing"] == 0
+
+
+def last_reload(server: VllmServer) -> str:
+    """What the server logged of the last store it swapped in (empty before any)."""
+    log = server.log_text()
+    return log.rsplit(RELOADED, 1)[1].split("\n", 1)[0] if RELOADED in log else ""
+
+
+@pytest.mark.server
+def test_a_store_grown_and_shrunk_under_32_clients_serves_every_request_exactly(
+        rest_server, reference_server, sharded_code_store, model_dir, tmp_path):
+    """`datastore add` and `remove` while 32 clients are served: the server swaps the new store
+    in between two steps, with no error and no output differing from a server without
+    speculation."""
+    out = tmp_path / "swap.json"
+    command = [sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
+               reference_server.base_url, "--concurrency", "32", "--num-requests", "96", "--max-tokens", "16",
+               "--out", str(out)]
+    with subprocess.Popen(command) as clients:
+        assert wait_until(lambda: rest_server.metric("vllm:num_requests_running") > 0)
+        added = add_documents(sharded_code_store, model_dir, stdlib_inputs(("logging", "http")), progress=False)
+        removed = remove_documents(sharded_code_store, range(0, 40), progress=False)
+        assert wait_until(lambda: f"{removed.num_documents:,} documents" in last_reload(rest_server))
+        assert rest_server.metric("vllm:num_requests_running") > 0  # swapped while the clients were served
+        assert clients.wait(timeout=1800) == 0
+    [row] = json.loads(out.read_text())["results"]
+    assert row["completed"] == 96 and row["errors"] == {}
+    assert row["compare"]["compared"] == 96 and row["compare"]["differing"] == 0
+    assert removed.num_documents == added.num_documents - 40
+    assert "cannot be opened" not in rest_server.log_text()
 
 
 def test_the_mixed_load_is_what_a_shared_server_sees():

@@ -9,6 +9,7 @@ never draft. Proposers are addressed in ``--speculative-config`` as
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.proposers.registry import PROPOSERS
@@ -22,10 +23,23 @@ __all__ = ["__version__", "register", *PROPOSERS]
 
 
 def register() -> None:
-    """vLLM general-plugin hook: checks the vLLM version and applies our patches once."""
+    """vLLM general-plugin hook: checks the vLLM version and applies our patches once; what the
+    package logs goes where vLLM's own log goes."""
     from vllm_retrieval_spec.integration.vllm_patches import apply_patches
 
+    _log_where_vllm_logs()
     apply_patches()
+
+
+def _log_where_vllm_logs() -> None:
+    """Give the package's loggers vLLM's handlers and level (a server's log then shows what we
+    log at INFO: a datastore swapped in, the budget's summary), unless someone configured them."""
+    ours, vllm_logger = logging.getLogger(__name__), logging.getLogger("vllm")
+    if ours.handlers or ours.level != logging.NOTSET or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level)
 
 
 def __getattr__(name: str) -> type[DraftProposer]:

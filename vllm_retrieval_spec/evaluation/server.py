@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 120.0, poll_s: float = 0.2) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 class ServerError(RuntimeError):
@@ -115,19 +125,27 @@ class VllmServer:
         with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
             return response.read().decode()
 
+    def metric(self, name: str, text: str | None = None) -> float:
+        """The series ``name`` of ``/metrics`` (or of ``text``, a page read before), summed over its labels."""
+        pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$"
+        return sum(float(value) for value in re.findall(pattern, text or self.metrics_text(), flags=re.M))
+
     def spec_decode_counters(self) -> SpecDecodeCounters:
         """vLLM's counters from ``/metrics`` (zero when the server does not speculate)."""
         text = self.metrics_text()
 
         def total(name: str) -> int:
-            pattern = rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$"
-            return int(sum(float(v) for v in re.findall(pattern, text, flags=re.M)))
+            return int(self.metric(f"vllm:{name}_total", text))
 
         return SpecDecodeCounters(
             drafts=total("spec_decode_num_drafts"),
             draft_tokens=total("spec_decode_num_draft_tokens"),
             accepted_tokens=total("spec_decode_num_accepted_tokens"),
         )
+
+    def log_text(self) -> str:
+        """Everything the server has logged so far."""
+        return self.log_path.read_text(errors="replace")
 
     def __enter__(self) -> VllmServer:
         return self.start()
