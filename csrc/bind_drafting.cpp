@@ -363,7 +363,7 @@ std::vector<vrs::SuffixIndex<Tok, Idx>> shard_indexes(const std::vector<const Su
 
 // fn(shards) with the shards typed by the token and suffix-array dtypes all shards of a store share.
 template <typename Fn>
-void visit_shards(const std::vector<const SuffixStore*>& stores, Fn&& fn) {
+void visit_shards(const std::vector<const SuffixStore*>& stores, vrs::SelectionCache* cache, Fn&& fn) {
   for (const SuffixStore* shard : stores)
     if (shard == nullptr || shard->tokens.dtype() != stores[0]->tokens.dtype() ||
         shard->suffix_array.dtype() != stores[0]->suffix_array.dtype() || shard->separator != stores[0]->separator)
@@ -372,7 +372,7 @@ void visit_shards(const std::vector<const SuffixStore*>& stores, Fn&& fn) {
     using Tok = std::remove_cv_t<std::remove_pointer_t<decltype(first.tokens)>>;
     using Idx = std::remove_cv_t<std::remove_pointer_t<decltype(first.suffix_array)>>;
     const std::vector<vrs::SuffixIndex<Tok, Idx>> shards = shard_indexes<Tok, Idx>(stores);
-    fn(vrs::StoreShards<Tok, Idx>{shards.data(), static_cast<int>(shards.size())});
+    fn(vrs::StoreShards<Tok, Idx>{shards.data(), static_cast<int>(shards.size()), cache});
   });
 }
 
@@ -392,7 +392,7 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
-                       bool profile, int num_threads) {
+                       bool profile, int num_threads, vrs::SelectionCache* store_cache) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
   const size_t num_rows = rows.shape(0);
@@ -405,7 +405,7 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
   if (!store || store->empty() || !prm.use_datastore) {
     run_rest<uint16_t, int32_t>(nullptr, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    visit_shards(*store, [&](const auto& shards) {
+    visit_shards(*store, store_cache, [&](const auto& shards) {
       run_rest(&shards, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
     });
   }
@@ -471,6 +471,10 @@ void bind_rest(nb::module_& m) {
       .def_rw("output_max_matches", &vrs::RestParams::output_max_matches)
       .def_rw("dense_weight", &vrs::RestParams::dense_weight)
       .def_rw("live_weight", &vrs::RestParams::live_weight);
+  nb::class_<vrs::SelectionCache>(m, "SelectionCache",
+                                  "The continuations REST selected from a sharded store, remembered by query "
+                                  "in `slots` slots (one per store: its entries index that store's shards).")
+      .def(nb::init<int>(), nb::arg("slots"));
   nb::class_<SuffixStore>(m, "SuffixStore",
                           "A datastore's token array, suffix array and optional first-token "
                           "offsets, as REST reads them (checked once, kept alive).")
@@ -494,9 +498,10 @@ void bind_rest(nb::module_& m) {
         nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
+        nb::arg("store_cache").none() = nb::none(),
         "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
-        "suffix array over their concatenation; unless store is None or params.use_datastore "
-        "is false) + output index (unless output is None) + given dense and live continuations + "
+        "suffix array over their concatenation, the selections remembered in store_cache; unless store is None or "
+        "params.use_datastore is false) + output index (unless output is None) + given dense and live continuations + "
         "context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "

@@ -478,21 +478,33 @@ template <typename Tok, typename Idx>
 struct StoreShards {
   const SuffixIndex<Tok, Idx>* shards;
   int count;
+  SelectionCache* cache = nullptr;  // selections of earlier steps (none: select every time)
 };
 
-// The longest match in any shard (the same n as one array over all of them: occurrence in the
-// union is monotone in n too) and every shard's range for it (empty where it does not occur).
+// The longest match in any shard (the same n as one array over all of them) and every shard's
+// range for it (empty where it does not occur). The first shard searches every length; the
+// others only lengths above the longest so far (one probe when they hold none longer).
 template <typename Tok, typename Idx>
 int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx, int n, const RestParams& prm,
                           std::vector<ShardRange>& ranges) {
   ranges.assign(store.count, ShardRange{});
   if (store.count == 1) return longest_datastore_match(store.shards[0], ctx, n, prm, &ranges[0].lo, &ranges[0].hi);
-  const int best = longest_occurring(prm, n, [&](int len) {
-    int64_t first, bucket_end;
-    for (int s = 0; s < store.count; ++s)
-      if (store.shards[s].occurs(ctx + n - len, len, &first, &bucket_end)) return true;
-    return false;
-  });
+  int best = 0;
+  for (int s = 0; s < store.count; ++s) {
+    const SuffixIndex<Tok, Idx>& shard = store.shards[s];
+    auto occurs = [&](int len) {
+      int64_t first, bucket_end;
+      return shard.occurs(ctx + n - len, len, &first, &bucket_end);
+    };
+    RestParams longer = prm;
+    longer.n_min = std::max(prm.n_min, best + 1);
+    if (longer.n_min > std::min(prm.n_max, n)) break;
+    if (best > 0) {  // one probe tells whether this shard holds a longer match at all
+      if (!occurs(longer.n_min)) continue;
+      best = longer.n_min++;
+    }
+    best = std::max(best, longest_occurring(longer, n, occurs));
+  }
   for (int s = 0; best > 0 && s < store.count; ++s) {
     const SuffixIndex<Tok, Idx>& shard = store.shards[s];
     int64_t first, bucket_end;
@@ -504,9 +516,10 @@ int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx
 
 // insert_continuations over the shards' ranges as one: the evenly strided ranks of their union
 // in lexicographic order, each found by selection (ShardSelector).
+// The selection is remembered by the matched tokens (store.cache): it depends on nothing else.
 template <typename Tok, typename Idx>
 void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std::vector<ShardRange>& ranges,
-                                  int match_len, int max_matches, int cont_len, int8_t source,
+                                  const int32_t* match, int match_len, int max_matches, int cont_len, int8_t source,
                                   ContinuationTrie& trie) {
   if (store.count == 1) {
     insert_continuations(store.shards[0], ranges[0].lo, ranges[0].hi, match_len, max_matches, cont_len, source, trie);
@@ -515,11 +528,17 @@ void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std:
   int64_t found = 0;
   for (const ShardRange& range : ranges) found += range.size();
   const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
-  std::vector<int64_t> targets(take);
-  for (int j = 0; j < take; ++j) targets[j] = (j * found) / take;
-  std::vector<ShardEntry> entries(take);
-  ShardSelector<SuffixIndex<Tok, Idx>>(store.shards, match_len, cont_len)
-      .select(ranges, targets.data(), take, 0, entries.data());
+  thread_local std::vector<ShardEntry> entries;
+  const SelectionKey key{match, match_len, cont_len, take};
+  const bool cached = store.cache != nullptr && found > take;  // else every match is taken: nothing to select
+  if (!cached || !store.cache->find(key, entries)) {
+    std::vector<int64_t> targets(take);
+    for (int j = 0; j < take; ++j) targets[j] = (j * found) / take;
+    entries.resize(take);
+    ShardSelector<SuffixIndex<Tok, Idx>>(store.shards, match_len, cont_len)
+        .select(ranges, targets.data(), take, 0, entries.data());
+    if (cached) store.cache->put(key, entries);
+  }
   for (const ShardEntry& entry : entries) {
     const SuffixIndex<Tok, Idx>& shard = store.shards[entry.shard];
     insert_continuations(shard, entry.index, entry.index + 1, match_len, 1, cont_len, source, trie);
@@ -565,7 +584,8 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
 
   trie.reset(prm, extras.table);
   if (ds_len > 0)
-    insert_sharded_continuations(*store, ranges, ds_len, prm.max_matches, prm.cont_len, kFromDatastore, trie);
+    insert_sharded_continuations(*store, ranges, ctx + n - ds_len, ds_len, prm.max_matches, prm.cont_len,
+                                 kFromDatastore, trie);
   if (out_len > 0)
     insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
   insert_given(extras.dense, prm.dense_weight, prm.cont_len, kFromDense, trie);

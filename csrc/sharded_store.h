@@ -9,11 +9,17 @@
 // key at rank r is found exactly by selection over the shards' ranges (pivot on an entry of one,
 // count the keys below and equal to it in every shard by binary search, keep the side holding
 // each wanted rank) without merging them.
+//
+// Selecting is the costly part (thousands of matches of a short query: a hundred selections, each
+// a few binary searches per shard), and its result depends only on the matched tokens and the
+// sampling parameters: a SelectionCache keeps the selections of frequent queries per store.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace vrs {
@@ -34,6 +40,61 @@ struct ShardEntry {
 struct ShardSplit {
   std::vector<ShardRange> below, above;
   int64_t num_below = 0, num_equal = 0;
+};
+
+// What a selection depends on: the matched tokens and how many continuations of how many tokens.
+struct SelectionKey {
+  const int32_t* match;
+  int match_len, cont_len, take;
+
+  uint64_t hash() const {
+    uint64_t h = 1469598103934665603ull ^ (static_cast<uint64_t>(cont_len) << 32 | static_cast<uint32_t>(take));
+    for (int i = 0; i < match_len; ++i) h = (h ^ static_cast<uint32_t>(match[i])) * 1099511628211ull;
+    return h;
+  }
+};
+
+// Selections by key in a fixed number of slots (a newer key takes its slot from an older one),
+// each behind its own lock: rows drafted in parallel read and fill it at once. Belongs to one
+// store (its entries index that store's shards).
+class SelectionCache {
+ public:
+  explicit SelectionCache(int slots) : count_(std::max(slots, 1)), slots_(new Slot[count_]) {}
+
+  bool find(const SelectionKey& key, std::vector<ShardEntry>& out) const {
+    Slot& slot = slot_of(key);
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    if (!slot.holds(key)) return false;
+    out = slot.entries;
+    return true;
+  }
+
+  void put(const SelectionKey& key, const std::vector<ShardEntry>& entries) {
+    Slot& slot = slot_of(key);
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    slot.match.assign(key.match, key.match + key.match_len);
+    slot.cont_len = key.cont_len;
+    slot.take = key.take;
+    slot.entries = entries;
+  }
+
+ private:
+  struct Slot {
+    std::mutex mutex;
+    std::vector<int32_t> match;
+    int cont_len = 0, take = 0;
+    std::vector<ShardEntry> entries;
+
+    bool holds(const SelectionKey& key) const {
+      return cont_len == key.cont_len && take == key.take && static_cast<int>(match.size()) == key.match_len &&
+             std::equal(match.begin(), match.end(), key.match);
+    }
+  };
+
+  Slot& slot_of(const SelectionKey& key) const { return slots_[key.hash() % static_cast<uint64_t>(count_)]; }
+
+  int count_;
+  std::unique_ptr<Slot[]> slots_;
 };
 
 template <typename Index>

@@ -196,3 +196,27 @@ def test_an_interval_of_zero_never_reloads(model_dir, more_sources, sharded):
     first = watched.current()
     watched.join(60)
     assert watched.current() is first and watched.reloads == 0
+
+
+def test_a_store_that_changed_again_while_opening_is_opened_again_quietly(sharded, caplog):
+    clock = Clock()
+    manifest = sharded / "manifest.json"
+    attempts = []
+
+    def opener(path: Path) -> ShardedDatastore:
+        attempts.append(path)
+        if len(attempts) == 1:  # the next edit lands while this one opens
+            manifest.write_text(manifest.read_text() + " ")
+            raise DatastoreError("a shard was deleted by the next edit")
+        return open_datastore(path)
+
+    watched = ReloadingDatastore(open_datastore(sharded), opener, interval=1.0, clock=clock)
+    first = watched.current()
+    manifest.write_text(manifest.read_text() + "\n")
+    with caplog.at_level(logging.ERROR):
+        for now in (1.0, 2.0):
+            clock.now = now
+            watched.current()
+            watched.join(60)
+    assert watched.current() is not first and len(attempts) == 2 and watched.reloads == 1
+    assert "cannot be opened" not in caplog.text

@@ -19,6 +19,7 @@ from pydivsufsort import divsufsort
 from vllm_retrieval_spec.datastores.format import DatastoreError
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
 from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
+from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 
 from vrs_artifacts import TINY_TOKENIZER, repetitive_documents, write_sharded_store, write_token_store
@@ -51,6 +52,11 @@ class InMemoryStore:
 @dataclass
 class InMemoryShards:
     shards: tuple[InMemoryStore, ...]
+    selection_cache: object = None
+
+    def cached(self, slots: int) -> InMemoryShards:
+        """The same shards with a selection cache of ``slots`` slots."""
+        return InMemoryShards(self.shards, load_extension().SelectionCache(slots))
 
 
 def drafts(store: object, queries: list[list[int]], params: RestParams) -> dict[str, np.ndarray]:
@@ -91,9 +97,11 @@ def test_shards_draft_what_one_suffix_array_over_their_documents_drafts(corpus, 
                         max_matches=data.draw(st.integers(1, 12), label="max_matches"),
                         cont_len=data.draw(st.integers(1, 12), label="cont_len"), top_k=16, chain_len=8,
                         use_context=False, min_ratio=0.0)
-    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
-    for key, value in expected.items():
-        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    expected = drafts(single, queries, params)
+    cached = sharded.cached(data.draw(st.integers(1, 4), label="cache slots"))
+    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params)):
+        for key, value in expected.items():
+            np.testing.assert_array_equal(found[key], value, err_msg=key)
 
 
 def test_many_matches_are_sampled_alike_across_shards():
@@ -104,10 +112,12 @@ def test_many_matches_are_sampled_alike_across_shards():
     sharded = InMemoryShards(tuple(InMemoryStore.of(documents[i:i + 37], 8, True) for i in range(0, 300, 37)))
     queries = [rng.integers(0, 8, 12).tolist() for _ in range(64)]
     params = RestParams(n_min=1, n_max=1, max_matches=64, cont_len=10, top_k=32, chain_len=10, use_context=False)
-    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
+    expected = drafts(single, queries, params)
     assert (expected["match_info"][:, 2] > 1000).all()
-    for key, value in expected.items():
-        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    cached = sharded.cached(4096)
+    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params)):
+        for key, value in expected.items():
+            np.testing.assert_array_equal(found[key], value, err_msg=key)
 
 
 def test_shards_of_different_dtypes_are_refused():

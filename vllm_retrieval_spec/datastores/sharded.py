@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import numpy as np
 from vllm_retrieval_spec.datastores.background_check import VerifiedInBackground
 from vllm_retrieval_spec.datastores.format import DATASTORE, TOKEN_DTYPES, DatastoreError
 from vllm_retrieval_spec.datastores.reader import TokenDatastore
+from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.storage import (
     MANIFEST,
     ArtifactKind,
@@ -46,6 +47,7 @@ from vllm_retrieval_spec.storage import (
 FORMAT_VERSION = 1
 SHARD_NAME = re.compile(r"shard-\d{5}")
 MAX_SHARD_TOKENS = 2**31 - 1  # int32 suffix arrays
+SELECTION_CACHE_SLOTS = 4096  # queries whose selected continuations are kept (~2 KB each at most)
 
 SHARDED_DATASTORE = ArtifactKind(
     noun="sharded datastore",
@@ -155,7 +157,8 @@ def id_runs(ids: np.ndarray) -> list[list[int]]:
 @dataclass
 class ShardedDatastore(VerifiedInBackground):
     """Shards opened as datastores (memory-mapped, quick checks at open), which REST searches as
-    one suffix array; ``usable`` until a checksum of any shard fails in the background."""
+    one suffix array, remembering in ``selection_cache`` the continuations it selected for
+    frequent queries; ``usable`` until a checksum of any shard fails in the background."""
 
     noun = "datastore"
     drafter = "REST"
@@ -163,6 +166,7 @@ class ShardedDatastore(VerifiedInBackground):
     path: Path
     manifest: ShardedManifest
     shards: tuple[TokenDatastore, ...]
+    selection_cache: Any = field(default_factory=lambda: load_extension().SelectionCache(SELECTION_CACHE_SLOTS))
 
     @classmethod
     def open(cls, path: str | Path, expected_tokenizer: TokenizerIdentity | None = None) -> ShardedDatastore:

@@ -5,7 +5,8 @@ new manifest into place, and ``datastore build --replace`` renames a whole new s
 engine notices at most ``interval`` seconds later (one ``stat`` from the drafting step), opens
 and checks the new store in a background thread, and swaps it in at the start of a step, so
 every row of a step drafts from one store, before or after the change. A store that fails to
-open is logged once and the engine keeps drafting from the one it has.
+open is logged once and the engine keeps drafting from the one it has (one that changed again
+while it was opened, e.g. a shard deleted by the next edit, is simply opened again).
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class ReloadingDatastore:
             store = self._opener(path)
             store.prefetch()
         except Exception as error:  # whatever is on disk now, serving goes on with the store it has
-            logger.error("datastore %s changed on disk but cannot be opened (%s); REST keeps drafting from the "
-                         "store it had", path, error)
+            if _signature(self._manifest) == self._seen:  # else it changed again while opening: the next look
+                logger.error("datastore %s changed on disk but cannot be opened (%s); REST keeps drafting from "
+                             "the store it had", path, error)
             return
         store.verify_in_background()
         with self._lock:

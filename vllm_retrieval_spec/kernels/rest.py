@@ -134,11 +134,13 @@ def rest_retrieve(
     continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
     row per requested row, each weighing ``dense_weight``; ``live`` the same from the requests in
     flight, ``(tokens, lengths)`` or ``(tokens, lengths, match_len [rows])``, each weighing
-    ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight.
+    ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight. A
+    sharded store's ``selection_cache`` keeps the continuations selected for a query across calls.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
+    shards = _drafting_store(store)
     arrays = ext.rest_retrieve(
-        _drafting_store(store),
+        shards,
         output_index,
         np.ascontiguousarray(tokens, dtype=np.int32),
         np.ascontiguousarray(lengths, dtype=np.int32),
@@ -149,6 +151,7 @@ def rest_retrieve(
         **_table_arrays(chances),
         profile=profile,
         num_threads=num_threads,
+        store_cache=getattr(store, "selection_cache", None) if shards else None,
     )
     return RestDrafts(**arrays)
 
