@@ -196,6 +196,30 @@ def sharded_copy(store: object, count: int, root: Path) -> tuple[Path, list[dict
     return root, json.loads(measured.read_text())
 
 
+# The growth of a fresh process's resident memory as it opens a store and reads it whole.
+RESIDENT = """
+import sys
+from pathlib import Path
+from vllm_retrieval_spec.datastores.sharded import open_datastore
+
+def rss():
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line.split()[1] for line in status if line.startswith("VmRSS:"))) / 1024
+
+before = rss()
+store = open_datastore(sys.argv[1])
+store.prefetch(wait=True)
+print(rss() - before)
+"""
+
+
+def resident_mb(path: Path) -> float:
+    """What a server holds of the store at ``path`` once warm (pages of the page cache, shared
+    with every process that maps the store)."""
+    done = subprocess.run([sys.executable, "-c", RESIDENT, str(path)], capture_output=True, text=True, check=True)
+    return round(float(done.stdout.split()[-1]))
+
+
 def prompt_contexts(model: Path, count: int, seed: int) -> list[list[int]]:
     """HumanEval prompts, tokenized, cut at random points of at least 32 tokens."""
     from transformers import AutoTokenizer
@@ -255,11 +279,13 @@ def main() -> None:
         if args.without_cache:
             stores |= {f"{name} (no cache)": dataclasses.replace(store, selection_cache=None)
                        for name, store in stores.items() if name != "single"}
+        resident = {name: resident_mb(store.path) for name, store in stores.items() if "(no cache)" not in name}
         for store in stores.values():
             store.prefetch(wait=True)
         report = {"datastore": str(single.path), "tokens": single.manifest.num_tokens, "rest_params":
                   dataclasses.asdict(params), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
                   "builds": {str(count): rows for count, rows in builds.items()}, "scale": scale, "search": {},
+                  "resident_mb": resident,
                   "single_sort_peak_mb": round(sort_peak_mb(single.path / TOKENS, single.manifest.token_dtype))}
         for size in args.batches:
             steps = max(10, args.steps * 8 // max(size, 8))
@@ -285,6 +311,9 @@ def print_table(report: dict) -> None:
             print(f"| {size} | {name} | {row['p50']:.0f} | {row['p99']:.0f} | "
                   f"{row['p50'] / rows['single']['p50']:.2f} | "
                   f"{'–' if row['differing_rows'] is None else row['differing_rows']} |")
+    print("\n| store | resident MB once read whole |\n|---|---:|")
+    for name, megabytes in report["resident_mb"].items():
+        print(f"| {name} | {megabytes:,} |")
     print("\n| shards | tokens per shard | sort s per shard (max) | sort's peak MB per shard (max) |")
     print("|---:|---:|---:|---:|")
     print(f"| 1 (the store itself) | {report['tokens']:,} | – | {report['single_sort_peak_mb']} |")
