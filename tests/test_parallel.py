@@ -22,7 +22,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from test_faults import DRAFTING_FAILED, TESTS_DIR, server_log
+from test_faults import DRAFTING_FAILED, TESTS_DIR
 from test_metrics import scraped, total
 from test_proposer_base import fake_vllm_config, vllm_buffers
 from vrs_parallel_proposers import DRAFT_LOG_DIR
@@ -221,7 +221,7 @@ def test_data_parallel_engines_behind_two_api_servers_are_exact_and_export_our_m
     with server(model_dir, REST, options={"datastore": str(code_store)}, extra_args=args) as dp:
         outputs = chat_token_ids(dp, messages)
         samples = scraped(dp.metrics_text())
-        assert DRAFTING_FAILED not in server_log(dp)
+        assert DRAFTING_FAILED not in dp.log_text()
     assert_same_token_ids(reference, outputs)
     ours = {"model_name": "smol", "proposer": "RestProposer"}
     engines = {labels["engine"] for name, labels, value in samples
@@ -256,7 +256,7 @@ def test_tensor_parallel_ranks_draft_alike_and_stay_exact(model_dir, code_store,
                 options=options, extra_args=args, env=env) as tp:
         outputs = chat_token_ids(tp, messages[:CHAT_PROMPTS // 2])
         samples = scraped(tp.metrics_text())
-        assert DRAFTING_FAILED not in server_log(tp)
+        assert DRAFTING_FAILED not in tp.log_text()
     assert_same_token_ids(tensor_parallel_reference, outputs)
     first, *others = rank_logs(tmp_path)
     assert first and all(log == first for log in others)

@@ -33,9 +33,10 @@ def register() -> None:
 
 def _log_where_vllm_logs() -> None:
     """Give the package's loggers vLLM's handlers and level (a server's log then shows what we
-    log at INFO: a datastore swapped in, the budget's summary), unless someone configured them."""
+    log at INFO: a datastore swapped in, the budget's summary), unless the application configured
+    logging itself (handlers on the root logger, which ours reach anyway) or ours."""
     ours, vllm_logger = logging.getLogger(__name__), logging.getLogger("vllm")
-    if ours.handlers or ours.level != logging.NOTSET or not vllm_logger.handlers:
+    if logging.getLogger().handlers or ours.handlers or ours.level != logging.NOTSET or not vllm_logger.handlers:
         return
     for handler in vllm_logger.handlers:
         ours.addHandler(handler)
