@@ -41,6 +41,7 @@ from vllm_retrieval_spec.datastores.sharded import (
     MAX_SHARD_TOKENS,
     SHARD_NAME,
     ShardedDatastore,
+    ShardedManifest,
     consecutive_id_runs,
     format_id_runs,
     id_runs,
@@ -99,9 +100,9 @@ def add_documents(store_dir: str | Path, tokenizer_dir: str | Path, inputs: Sequ
         first = store.next_document_id
         added = consecutive_id_runs(first, [shard.num_documents for shard in files.written])
         stop = first + sum(shard.num_documents for shard in files.written)
-        _publish(store, [*zip(store.manifest.shards, store.id_runs()), *zip(names, added)], files.written,
-                 next_document_id=stop)
-    return _report(store_dir, "added", [[first, stop]], names, [], start)
+        manifest = _publish(store, [*zip(store.manifest.shards, store.id_runs()), *zip(names, added)],
+                            files.written, next_document_id=stop)
+    return _report(store_dir, "added", [[first, stop]], names, [], manifest, start)
 
 
 def remove_documents(store_dir: str | Path, document_ids: Sequence[int], *, progress: bool = True) -> EditReport:
@@ -130,11 +131,11 @@ def remove_documents(store_dir: str | Path, document_ids: Sequence[int], *, prog
         finish_shards(written, store.manifest.tokenizer, {"removed_from": store_dir.name}, started_at,
                       workers=1, progress=progress)
         new_names = _move_in(store_dir, written)
-        _publish(store, [(entry if isinstance(entry, str) else entry.directory.name, runs) for entry, runs in entries],
-                 written, next_document_id=store.next_document_id)
+        manifest = _publish(store, [(entry if isinstance(entry, str) else entry.directory.name, runs)
+                                    for entry, runs in entries], written, next_document_id=store.next_document_id)
         for name in retired:
             _delete_shard(store_dir / name)
-    return _report(store_dir, "removed", id_runs(wanted), new_names, retired, start)
+    return _report(store_dir, "removed", id_runs(wanted), new_names, retired, manifest, start)
 
 
 @contextlib.contextmanager
@@ -193,15 +194,17 @@ def _move_in(store_dir: Path, written: list[ShardWritten]) -> list[str]:
 
 
 def _publish(store: ShardedDatastore, entries: list[tuple[str, list[list[int]]]], written: list[ShardWritten],
-             next_document_id: int) -> None:
-    """Rename the store's new manifest into place: ``entries`` (shard name, its id runs) in
-    document order."""
+             next_document_id: int) -> ShardedManifest:
+    """Rename the store's new manifest into place (and return it): ``entries`` (shard name, its
+    id runs) in document order."""
     counts = {shard.path.name: (shard.manifest.num_tokens, shard.manifest.num_documents) for shard in store.shards}
     counts |= {shard.directory.name: (shard.num_tokens, shard.num_documents) for shard in written}
     names = [name for name, _ in entries]
-    replace(store.manifest, shards=names, num_tokens=sum(counts[name][0] for name in names),
-            num_documents=sum(counts[name][1] for name in names), document_ids=[runs for _, runs in entries],
-            next_document_id=next_document_id).write(store.path)
+    manifest = replace(store.manifest, shards=names, num_tokens=sum(counts[name][0] for name in names),
+                       num_documents=sum(counts[name][1] for name in names),
+                       document_ids=[runs for _, runs in entries], next_document_id=next_document_id)
+    manifest.write(store.path)
+    return manifest
 
 
 def _ids_of(runs: list[list[int]]) -> np.ndarray:
@@ -240,7 +243,6 @@ def _delete_shard(directory: Path) -> None:
 
 
 def _report(store_dir: Path, action: str, ids: list[list[int]], written: list[str], retired: list[str],
-            start: float) -> EditReport:
-    store = ShardedDatastore.open(store_dir)
-    return EditReport(store_dir, action, ids, written, retired, store.manifest.num_tokens,
-                      store.manifest.num_documents, time.perf_counter() - start)
+            manifest: ShardedManifest, start: float) -> EditReport:
+    return EditReport(store_dir, action, ids, written, retired, manifest.num_tokens, manifest.num_documents,
+                      time.perf_counter() - start)

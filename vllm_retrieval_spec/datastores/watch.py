@@ -35,12 +35,20 @@ def _signature(manifest: Path) -> Signature | None:
     return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
+def _warmed(store: Any) -> Any:
+    """``store`` being read into the page cache, its checksums verified in the background (a
+    changed file stops drafting from it, logged)."""
+    store.prefetch()
+    store.verify_in_background()
+    return store
+
+
 class ReloadingDatastore:
     """Owns the datastore REST drafts from (see the module): :meth:`current` once per step."""
 
     def __init__(self, store: Any, opener: Callable[[Path], Any], interval: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._store = store
+        self._store = _warmed(store)
         self._opener = opener
         self._interval = interval
         self._clock = clock
@@ -62,8 +70,9 @@ class ReloadingDatastore:
             self.reloads += 1
             logger.info("REST now drafts from the datastore %s as changed on disk: %s", opened.path,
                         opened.describe().splitlines()[1].strip())
-        if self._interval and self._clock() >= self._next_check:
-            self._next_check = self._clock() + self._interval
+        now = self._clock()
+        if self._interval and now >= self._next_check:
+            self._next_check = now + self._interval
             self._look()
         return self._store
 
@@ -86,13 +95,11 @@ class ReloadingDatastore:
     def _open(self) -> None:
         path = self._store.path
         try:
-            store = self._opener(path)
-            store.prefetch()
+            store = _warmed(self._opener(path))
         except Exception as error:  # whatever is on disk now, serving goes on with the store it has
             if _signature(self._manifest) == self._seen:  # else it changed again while opening: the next look
                 logger.error("datastore %s changed on disk but cannot be opened (%s); REST keeps drafting from "
                              "the store it had", path, error)
             return
-        store.verify_in_background()
         with self._lock:
             self._opened = store

@@ -32,8 +32,6 @@ class RestProposer(DraftProposer):
         self.datastore: ReloadingDatastore | None = None
         if options.use_datastore:
             store, identity = open_datastore_for_model(options.datastore, vllm_config.model_config.tokenizer)
-            store.prefetch()
-            store.verify_in_background()  # a changed file stops drafting from it, logged
             self.datastore = ReloadingDatastore(store, functools.partial(open_datastore, expected_tokenizer=identity),
                                                 options.datastore_reload_seconds)
         self.params = RestParams.from_options(options, chain_len=self.num_speculative_tokens,
