@@ -4,9 +4,13 @@ A node's chance of being accepted given that its parent is comes from decaying,
 Laplace-smoothed counts keyed by (source, match-length bucket, depth bucket, raw-probability
 bucket). Depth buckets are exact up to 8 and log-spaced beyond (two per doubling), so that deep
 drafts (up to vLLM's 128 tokens) keep separate estimates without thinning the shallow ones.
-Sparse buckets borrow from their (source, depth) total, which borrows from the
-drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
-halved every ``decay_every`` steps so that the estimates follow the traffic.
+A sparse bucket borrows from the same bucket one depth shallower: acceptance given the parent
+rarely falls with depth (a copy that held for 8 tokens tends to hold for the 9th), and a bucket
+too deep to have been drafted yet must start where its shallower neighbour stands, not at a
+guess so low that the chooser never drafts it and never learns otherwise. Depth-0 buckets
+borrow from their source's depth-0 total, which borrows from the drafter's own guess (its raw
+probability, halved: drafters are over-confident). Counts are halved every ``decay_every``
+steps so that the estimates follow the traffic.
 :meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
 ranks its candidates by it.
 """
@@ -37,12 +41,27 @@ MIN_CHANCE = 1e-4
 TABLE_REFRESH_STEPS = 4  # the kernel's chance table follows the counts this many steps behind at most
 
 
-def _smoothed(accepted: np.ndarray, observed: np.ndarray, coarse_accepted: np.ndarray, coarse_observed: np.ndarray,
-              raw_prob: np.ndarray, strength: float) -> np.ndarray:
-    """Laplace-smoothed chance: the bucket's counts over its (source, depth) counts over the
-    drafter's halved guess (arrays that broadcast together)."""
-    coarse = (coarse_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (coarse_observed + strength)
-    return np.clip((accepted + strength * coarse) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
+def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
+    """Laplace-smoothed chance: a bucket's counts shrunk towards ``prior`` (arrays that
+    broadcast together)."""
+    return np.clip((accepted + strength * prior) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
+
+
+def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, strength: float) -> np.ndarray:
+    """``c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength)`` along the depth
+    axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first``, in closed form:
+    ``c[d] = B[d]·(first + Σ_{j ≤ d} a[j] / B[j])`` for ``a = accepted / (observed + strength)``
+    and ``B`` the running product of ``strength / (observed + strength)`` (never below
+    ~1e-90 for the counts a budget holds)."""
+    total = observed + strength
+    carried = np.cumprod(strength / total, axis=2)
+    return carried * (first[:, :, None, :] + np.cumsum(accepted / total / carried, axis=2))
+
+
+def _first_prior(coarse_accepted: np.ndarray, coarse_observed: np.ndarray, raw_prob: np.ndarray,
+                 strength: float) -> np.ndarray:
+    """The prior of a depth-0 bucket: its source's depth-0 counts over the drafter's halved guess."""
+    return (coarse_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (coarse_observed + strength)
 
 
 @dataclass
@@ -61,6 +80,7 @@ class AcceptanceCalibration:
     accepted_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
     observed_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
     steps: int = 0
+    _chances: np.ndarray | None = field(default=None, repr=False)  # what _table holds, in float64
     _table: ChanceTable | None = field(default=None, repr=False)
     _table_step: int = -TABLE_REFRESH_STEPS
     _table_stale: bool = True
@@ -75,24 +95,36 @@ class AcceptanceCalibration:
         return np.ravel_multi_index((source, length, deep, prob), SHAPE)
 
     def estimate(self, bucket: np.ndarray, raw_prob: np.ndarray) -> np.ndarray:
-        """Calibrated chance per node that it is accepted given its parent is."""
-        coarse = _coarse_index(bucket)
-        return _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
-                         self.accepted_coarse.reshape(-1)[coarse], self.observed_coarse.reshape(-1)[coarse],
-                         np.asarray(raw_prob, np.float64), self.prior_strength)
+        """Calibrated chance per node that it is accepted given its parent is (at depth 0 with
+        the node's own raw guess in the prior, deeper as in :meth:`chance_table`)."""
+        source, _, depth, _ = np.unravel_index(bucket, SHAPE)
+        first = _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
+                          _first_prior(self.accepted_coarse[source, 0], self.observed_coarse[source, 0],
+                                       np.asarray(raw_prob, np.float64), self.prior_strength), self.prior_strength)
+        self.chance_table()  # past depth 0: the table's chances (at most TABLE_REFRESH_STEPS behind)
+        return np.where(depth > 0, self._chances.reshape(-1)[bucket], first)
 
     def chance_table(self) -> ChanceTable:
         """Every bucket's chance (its raw-probability bucket's midpoint as the drafter's guess),
-        for the kernel to rank candidates by; rebuilt at most every ``TABLE_REFRESH_STEPS`` steps
-        and only after new observations (the same arrays otherwise: nothing copied)."""
+        for the kernel to rank candidates by and for :meth:`estimate` past depth 0; rebuilt at
+        most every ``TABLE_REFRESH_STEPS`` steps and only after new observations (the same
+        arrays otherwise: nothing copied)."""
         if self._table is None or (self._table_stale and self.steps - self._table_step >= TABLE_REFRESH_STEPS):
-            midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
-            coarse = (slice(None), None, slice(None), None)
-            chance = _smoothed(self.accepted, self.observed, self.accepted_coarse[coarse],
-                               self.observed_coarse[coarse], midpoint, self.prior_strength)
-            self._table = ChanceTable(chance.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
+            self._chances = self._all_chances()
+            self._table = ChanceTable(self._chances.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
             self._table_step, self._table_stale = self.steps, False
         return self._table
+
+    def _all_chances(self) -> np.ndarray:
+        """Every bucket's chance with the raw-probability bucket's midpoint as the drafter's
+        guess, each depth shrunk towards the one above it."""
+        midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
+        first = _first_prior(self.accepted_coarse[:, None, 0, None], self.observed_coarse[:, None, 0, None],
+                             midpoint, self.prior_strength)  # [source, 1, prob]
+        chances = np.repeat(np.broadcast_to(first[:, :, None, :], (SHAPE[0], 1, *SHAPE[2:])), SHAPE[1], axis=1)
+        seen = np.flatnonzero(self.observed_coarse.any(axis=1))  # unseen sources keep their prior
+        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first[seen], self.prior_strength)
+        return np.clip(chances, MIN_CHANCE, MAX_CHANCE)
 
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have
@@ -119,7 +151,7 @@ class AcceptanceCalibration:
         self.accepted = np.minimum(counts[0], self.observed)
         self.accepted_coarse = self.accepted.sum(axis=(1, 3))
         self.observed_coarse = self.observed.sum(axis=(1, 3))
-        self._table_stale = True
+        self._table = None
 
     def observe(self, bucket: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Record the outcome of every node whose parent was accepted (one step's worth)."""
