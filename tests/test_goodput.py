@@ -417,3 +417,32 @@ def test_a_depth_never_drafted_starts_where_the_depth_above_it_stands():
     assert chance[7] > 0.95 and chance[8] < 0.05 and chance[12:].max() < 0.5
     np.testing.assert_allclose(calibration.chance_table().chance.reshape(-1)[bucket],
                                calibration.estimate(bucket, np.full(64, 0.95)), rtol=1e-6)
+
+
+def test_a_new_combination_of_sources_starts_where_its_match_length_stands():
+    """Long context matches accepted, short ones rejected: a source combination never seen
+    before starts high at a long match and low at a short one (before, it started at its own
+    source's average, and at 8 in flight, where a node must beat ~30%, was never drafted)."""
+    calibration = AcceptanceCalibration()
+    long_copy, short_guess = long_chain(SOURCE_CONTEXT, 16, 1.0, width=1), long_chain(SOURCE_CONTEXT, 1, 1.0, width=1)
+    depth = np.zeros((1, 1), np.int32)
+    for _ in range(50):
+        calibration.observe(calibration.buckets(long_copy, depth)[0], np.full(1, 0.5), np.ones(1, bool))
+        calibration.observe(calibration.buckets(short_guess, depth)[0], np.full(1, 0.5), np.zeros(1, bool))
+    both = SOURCE_CONTEXT | SOURCE_DATASTORE
+    new_long, new_short = long_chain(both, 16, 1.0, width=1), long_chain(both, 1, 1.0, width=1)
+    assert calibration.estimate(calibration.buckets(new_long, depth)[0], new_long.prob[0])[0] > 0.9
+    assert calibration.estimate(calibration.buckets(new_short, depth)[0], new_short.prob[0])[0] < 0.1
+
+
+def test_a_few_good_nodes_are_drafted_in_a_large_batch():
+    """At 32 requests, one row's node that pays for itself with room to spare is kept even
+    though it adds far less than the margin to the whole batch's rate."""
+    cost = cost_model(0.02, 0.002, 0.0015)
+    chance = np.zeros((32, 8))
+    chance[0, :2] = [0.9, 0.8]
+    choice = choose_nodes(NodeCandidates(path_products(chance, np.broadcast_to(CHAIN[0], (32, 8))), np.full(32, 8),
+                                         32), cost, 0.0, 0.05)
+    assert choice.keep[0, :2].all() and choice.keep.sum() == 2
+    weak = np.where(chance > 0, 0.02, 0.0)  # 0.02 of a token for 1.5 ms at ~380 tokens/s does not pay
+    assert not choose_nodes(NodeCandidates(weak, np.full(32, 8), 32), cost, 0.0, 0.05).keep.any()

@@ -219,7 +219,8 @@ class RetrievalSpecOptions:
     )
     budget_margin: float = _option(
         0.05, _float_in(0.0, 10.0),
-        "budget auto: draft only when the expected tokens per second beat no speculation by this fraction",
+        "budget auto: keep a draft node only when its chance of acceptance pays for what it adds to the step "
+        "(verification and its share of drafting time) with this fraction to spare",
     )
 
     ngram_table: str = _option(

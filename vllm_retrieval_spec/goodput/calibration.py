@@ -7,9 +7,11 @@ drafts (up to vLLM's 128 tokens) keep separate estimates without thinning the sh
 A sparse bucket borrows from the same bucket one depth shallower: acceptance given the parent
 rarely falls with depth (a copy that held for 8 tokens tends to hold for the 9th), and a bucket
 too deep to have been drafted yet must start where its shallower neighbour stands, not at a
-guess so low that the chooser never drafts it and never learns otherwise. Depth-0 buckets
-borrow from their source's depth-0 total, which borrows from the drafter's own guess (its raw
-probability, halved: drafters are over-confident). Counts are halved every ``decay_every``
+guess so low that the chooser never drafts it and never learns otherwise. A depth-0 bucket
+borrows from every source's depth-0 nodes of its match length (the strongest predictor: a
+16-token match is accepted far more often than a 1-token one, whichever sources found it, so a
+new combination of sources starts where its match length stands), which borrow from the
+drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are halved every ``decay_every``
 steps so that the estimates follow the traffic.
 :meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
 ranks its candidates by it.
@@ -49,19 +51,21 @@ def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, str
 
 def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, strength: float) -> np.ndarray:
     """``c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength)`` along the depth
-    axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first``, in closed form:
+    axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first`` (``[.., length,
+    prob]``), in closed form:
     ``c[d] = B[d]·(first + Σ_{j ≤ d} a[j] / B[j])`` for ``a = accepted / (observed + strength)``
     and ``B`` the running product of ``strength / (observed + strength)`` (never below
     ~1e-90 for the counts a budget holds)."""
     total = observed + strength
     carried = np.cumprod(strength / total, axis=2)
-    return carried * (first[:, :, None, :] + np.cumsum(accepted / total / carried, axis=2))
+    return carried * (first[..., None, :] + np.cumsum(accepted / total / carried, axis=2))
 
 
-def _first_prior(coarse_accepted: np.ndarray, coarse_observed: np.ndarray, raw_prob: np.ndarray,
+def _first_prior(length_accepted: np.ndarray, length_observed: np.ndarray, raw_prob: np.ndarray,
                  strength: float) -> np.ndarray:
-    """The prior of a depth-0 bucket: its source's depth-0 counts over the drafter's halved guess."""
-    return (coarse_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (coarse_observed + strength)
+    """The prior of a depth-0 bucket: the depth-0 counts of its match length over the drafter's
+    halved guess."""
+    return (length_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (length_observed + strength)
 
 
 @dataclass
@@ -76,9 +80,6 @@ class AcceptanceCalibration:
     predicted_total: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     accepted_total: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     observed_total: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
-    # The same decaying counts summed per (source, depth): the prior of sparse buckets.
-    accepted_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
-    observed_coarse: np.ndarray = field(default_factory=lambda: np.zeros((SHAPE[0], SHAPE[2])))
     steps: int = 0
     _chances: np.ndarray | None = field(default=None, repr=False)  # what _table holds, in float64
     _table: ChanceTable | None = field(default=None, repr=False)
@@ -97,10 +98,11 @@ class AcceptanceCalibration:
     def estimate(self, bucket: np.ndarray, raw_prob: np.ndarray) -> np.ndarray:
         """Calibrated chance per node that it is accepted given its parent is (at depth 0 with
         the node's own raw guess in the prior, deeper as in :meth:`chance_table`)."""
-        source, _, depth, _ = np.unravel_index(bucket, SHAPE)
+        _, length, depth, _ = np.unravel_index(bucket, SHAPE)
+        accepted, observed = self._first_counts()
         first = _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
-                          _first_prior(self.accepted_coarse[source, 0], self.observed_coarse[source, 0],
-                                       np.asarray(raw_prob, np.float64), self.prior_strength), self.prior_strength)
+                          _first_prior(accepted[length], observed[length], np.asarray(raw_prob, np.float64),
+                                       self.prior_strength), self.prior_strength)
         self.chance_table()  # past depth 0: the table's chances (at most TABLE_REFRESH_STEPS behind)
         return np.where(depth > 0, self._chances.reshape(-1)[bucket], first)
 
@@ -119,12 +121,16 @@ class AcceptanceCalibration:
         """Every bucket's chance with the raw-probability bucket's midpoint as the drafter's
         guess, each depth shrunk towards the one above it."""
         midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
-        first = _first_prior(self.accepted_coarse[:, None, 0, None], self.observed_coarse[:, None, 0, None],
-                             midpoint, self.prior_strength)  # [source, 1, prob]
-        chances = np.repeat(np.broadcast_to(first[:, :, None, :], (SHAPE[0], 1, *SHAPE[2:])), SHAPE[1], axis=1)
-        seen = np.flatnonzero(self.observed_coarse.any(axis=1))  # unseen sources keep their prior
-        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first[seen], self.prior_strength)
+        accepted, observed = self._first_counts()
+        first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
+        chances = np.array(np.broadcast_to(first[None, :, None, :], SHAPE))
+        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))  # unseen sources keep the prior at every depth
+        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first[None], self.prior_strength)
         return np.clip(chances, MIN_CHANCE, MAX_CHANCE)
+
+    def _first_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Decaying accepted and observed counts of depth-0 nodes per match-length bucket."""
+        return self.accepted[:, :, 0].sum(axis=(0, 2)), self.observed[:, :, 0].sum(axis=(0, 2))
 
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have
@@ -139,7 +145,7 @@ class AcceptanceCalibration:
 
     def counts(self) -> np.ndarray:
         """A copy of the decaying counts, ``[accepted, observed]`` (what an output index snapshot
-        saves; the per-(source, depth) sums follow from them)."""
+        saves)."""
         return np.stack([self.accepted, self.observed])
 
     def restore_counts(self, counts: np.ndarray) -> None:
@@ -149,16 +155,12 @@ class AcceptanceCalibration:
             raise ValueError(f"counts of shape {counts.shape}, not {(2, *SHAPE)}")
         self.observed = np.array(counts[1], np.float64)
         self.accepted = np.minimum(counts[0], self.observed)
-        self.accepted_coarse = self.accepted.sum(axis=(1, 3))
-        self.observed_coarse = self.observed.sum(axis=(1, 3))
         self._table = None
 
     def observe(self, bucket: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Record the outcome of every node whose parent was accepted (one step's worth)."""
         hits = accepted.astype(np.float64)
-        coarse = _coarse_index(bucket)
         for counts, index, values in ((self.accepted, bucket, hits), (self.observed, bucket, 1.0),
-                                      (self.accepted_coarse, coarse, hits), (self.observed_coarse, coarse, 1.0),
                                       (self.accepted_total, bucket, hits), (self.observed_total, bucket, 1.0),
                                       (self.predicted_total, bucket, predicted)):
             np.add.at(counts.reshape(-1), index, values)
@@ -169,7 +171,7 @@ class AcceptanceCalibration:
         bucket that stopped being drafted drifts back to its prior and gets tried again."""
         self.steps += 1
         if self.steps % self.decay_every == 0:
-            for counts in (self.accepted, self.observed, self.accepted_coarse, self.observed_coarse):
+            for counts in (self.accepted, self.observed):
                 counts *= 0.5
             self._table_stale = True
 
@@ -188,8 +190,3 @@ class AcceptanceCalibration:
             })
         return rows
 
-
-def _coarse_index(bucket: np.ndarray) -> np.ndarray:
-    """The flat (source, depth) index of flat bucket indices."""
-    source, _, depth, _ = np.unravel_index(bucket, SHAPE)
-    return source * SHAPE[2] + depth

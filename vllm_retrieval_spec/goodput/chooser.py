@@ -4,8 +4,12 @@ expected tokens per second.
 With ``B`` requests in the step and nodes sorted by their chance of being accepted per second
 of verification (a node's chance is below its parent's and costs never fall along a path, so any
 prefix of that order is a forest of whole paths), verifying the best ``b`` yields ``B + S_b``
-tokens in ``t(B, B + b) + drafting`` seconds. The chooser takes the ``b`` with the highest rate,
-and none unless it beats not speculating (``B / t(B, B)``) by ``margin``. In tree mode a node
+tokens in ``t(B, B + b) + drafting`` seconds. The chooser takes the ``b`` with the highest rate
+with what drafting adds to the step (``t(B, B + b) − t(B, B)`` and the drafting time) counted
+``1 + margin`` times, and none unless that rate beats not speculating (``B / t(B, B)``): every
+kept node must pay for its cost with ``margin`` to spare. (A margin on the whole batch's rate
+instead would skip every step of 8 or 32 requests whose few good nodes add less than the margin
+to the batch, and learn nothing from them.) In tree mode a node
 off its row's main path (the chain through first children, which trees lay out first) also pays
 tree attention over its request's context, and a step with any such node pays the learned cost
 of a tree step once: the best selection of main-path nodes only competes with the best of all
@@ -30,6 +34,7 @@ class Choice:
     expected_tokens: float  # B + the kept nodes' chances
     expected_seconds: float
     threshold: float  # the chance below which a node did not pay this step
+    margin_seconds: float = 0.0  # the margin the kept nodes had to pay on top of expected_seconds
 
 
 @dataclass(frozen=True)
@@ -57,17 +62,18 @@ class NodeCandidates:
 
 
 def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float, margin: float) -> Choice:
-    """The nodes (at most ``budgets[i]`` for row ``i``) of the best expected rate, or none when
-    not speculating is within ``margin`` of it."""
+    """The nodes (at most ``budgets[i]`` for row ``i``) of the best expected rate with their
+    cost counted ``1 + margin`` times, or none when that rate does not beat not speculating."""
     num_reqs = candidates.num_reqs
-    best = _best_prefix(candidates, cost, draft_seconds)
+    best = _best_prefix(candidates, cost, draft_seconds, margin)
     if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
-        chain = _best_prefix(candidates.restricted_to_main_paths(), cost, draft_seconds)
+        chain = _best_prefix(candidates.restricted_to_main_paths(), cost, draft_seconds, margin)
         best = best if _rate(best) > _rate(chain) else chain
     idle = float(cost.predict(num_reqs, num_reqs))
-    if _rate(best) < (1.0 + margin) * num_reqs / max(idle, 1e-9):
-        best = Choice(np.zeros_like(best.keep), float(num_reqs), idle, 0.0)
-    return Choice(best.keep, best.expected_tokens, best.expected_seconds, cost.per_token * _rate(best))
+    if _rate(best) <= num_reqs / max(idle, 1e-9):
+        return Choice(np.zeros_like(best.keep), float(num_reqs), idle, 0.0)
+    return Choice(best.keep, best.expected_tokens, best.expected_seconds,
+                  (1.0 + margin) * cost.per_token * _rate(best))
 
 
 def main_paths(parents: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -86,12 +92,13 @@ def main_paths(parents: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 
 def _rate(choice: Choice) -> float:
-    return choice.expected_tokens / max(choice.expected_seconds, 1e-9)
+    """Expected tokens per second, with the margin on what drafting adds."""
+    return choice.expected_tokens / max(choice.expected_seconds + choice.margin_seconds, 1e-9)
 
 
-def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float) -> Choice:
+def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float, margin: float) -> Choice:
     """The ``b`` nodes (within row budgets) of the highest chance per verification cost, for the
-    ``b`` of the highest rate."""
+    ``b`` of the highest rate (what they add to the step counted ``1 + margin`` times)."""
     path_chance, num_reqs = candidates.path_chance, candidates.num_reqs
     rows, width = path_chance.shape
     order = np.argsort(-path_chance, axis=1, kind="stable")
@@ -107,10 +114,11 @@ def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
     gained, sampled, work = (np.concatenate(([0.0], np.cumsum(values[by_chance])))
                              for values in (chances, sampled, work))
     counts = np.arange(len(gained))
-    seconds = cost.predict(num_reqs, num_reqs + counts, tree_work=work, sampled=sampled)
-    seconds = seconds + np.where(counts > 0, draft_seconds, 0.0)
-    rate = (num_reqs + gained) / np.maximum(seconds, 1e-9)
-    best = int(np.argmax(rate))
+    idle = float(cost.predict(num_reqs, num_reqs))
+    added = cost.predict(num_reqs, num_reqs + counts, tree_work=work, sampled=sampled) - idle
+    added = added + np.where(counts > 0, draft_seconds, 0.0)
+    best = int(np.argmax((num_reqs + gained) / np.maximum(idle + (1.0 + margin) * added, 1e-9)))
     keep = np.zeros(rows * width, bool)
     keep[flat[by_chance[:best]]] = True
-    return Choice(keep.reshape(rows, width), float(num_reqs + gained[best]), float(seconds[best]), 0.0)
+    return Choice(keep.reshape(rows, width), float(num_reqs + gained[best]), idle + float(added[best]), 0.0,
+                  margin_seconds=margin * float(added[best]))
