@@ -47,7 +47,8 @@ struct GivenContinuations {
 };
 
 // Calibrated chance that a node is accepted given its parent is, per (source flags, match-length
-// bucket, depth bucket, raw-probability bucket): goodput/calibration.py's table, values in [0, 1].
+// bucket, depth bucket, raw-probability bucket): goodput/calibration.py's table, read clamped to
+// [0, 1].
 struct ChanceTable {
   const float* chance;           // [sources, lengths, depths, probs], C order
   int sources, lengths, depths, probs;
@@ -62,7 +63,8 @@ struct ChanceTable {
     const int raw = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(prob * static_cast<float>(probs)),
                                                          0, probs - 1));
     const int64_t flat = ((static_cast<int64_t>(source % sources) * lengths + length) * depths + deep) * probs + raw;
-    return static_cast<double>(chance[flat]);
+    const float value = chance[flat];
+    return value >= 0.0f ? std::min(static_cast<double>(value), 1.0) : 0.0;  // NaN and negatives: 0
   }
 };
 

@@ -351,11 +351,17 @@ def test_live_continuations_join_the_trie_with_their_weight_flag_and_match_lengt
         rest_retrieve(None, tokens, lengths, np.array([0]), params, live=(live_tokens, live_lengths, np.array([-1])))
 
 
-def test_bad_chance_tables_are_rejected():
-    tokens, lengths = pack([[1, 2]])
+def test_bad_chance_tables_are_rejected_and_values_out_of_range_read_clamped():
+    tokens, lengths = pack([[1, 2, 1, 3, 1]])
     table = random_chance_table(0)
-    for bad, message in ((dataclasses.replace(table, chance=table.chance + 2), "values must lie in \\[0, 1\\]"),
-                         (dataclasses.replace(table, chance=table.chance[:32]), ">= 64 sources"),
+    params = RestParams(use_datastore=False, top_k=8)
+    wild = table.chance * 3 - 1
+    wild.reshape(-1)[::7] = np.nan
+    expected = rest_retrieve(None, tokens, lengths, np.array([0]), params,
+                             chances=dataclasses.replace(table, chance=np.clip(np.nan_to_num(wild), 0, 1)))
+    found = rest_retrieve(None, tokens, lengths, np.array([0]), params, chances=dataclasses.replace(table, chance=wild))
+    assert found.tree(0) == expected.tree(0) and found.chain(0) == expected.chain(0)
+    for bad, message in ((dataclasses.replace(table, chance=table.chance[:32]), ">= 64 sources"),
                          (dataclasses.replace(table, depth_bucket=np.array([99], np.int32)), "depth_bucket entries")):
         with pytest.raises(ValueError, match=message):
             rest_retrieve(None, tokens, lengths, np.array([0]), RestParams(use_datastore=False), chances=bad)

@@ -85,7 +85,8 @@ class _ReferenceTrie:
                    table.length_bucket[min(length, len(table.length_bucket) - 1)],
                    table.depth_bucket[min(self.nodes[node].depth - 1, len(table.depth_bucket) - 1)],
                    min(max(int(self.ratio(node) * np.float32(probs)), 0), probs - 1))
-            self.conditional[node] = float(table.chance[key])
+            value = float(table.chance[key])
+            self.conditional[node] = min(value, 1.0) if value >= 0.0 else 0.0  # NaN and negatives: 0
             self.path[node] = self.path[self.nodes[node].parent] * self.conditional[node]
 
     def rank(self, node: int) -> tuple:
