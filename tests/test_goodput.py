@@ -284,6 +284,7 @@ def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
     assert budget.worth_searching(["a"], 8).all()  # nothing known yet: the prior guess (0.5) may pay
     for _ in range(40):
         budget.calibration.observe(bucket, np.ones(1), np.zeros(1, bool))
+        budget.calibration.tick()
     assert not budget.worth_searching(["a"], 8).any()
     for _ in range(400):
         budget.calibration.tick()

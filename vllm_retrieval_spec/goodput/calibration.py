@@ -82,6 +82,8 @@ class AcceptanceCalibration:
     observed_total: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     steps: int = 0
     _chances: np.ndarray | None = field(default=None, repr=False)  # what _table holds, in float64
+    _best_first: float = field(default=RAW_PRIOR_SCALE, repr=False)  # best_first_chance() at the last refresh
+    _first: tuple[np.ndarray, np.ndarray] = field(default=(np.zeros(0), np.zeros(0)), repr=False)  # _first_counts()
     _table: ChanceTable | None = field(default=None, repr=False)
     _table_step: int = -TABLE_REFRESH_STEPS
     _table_stale: bool = True
@@ -99,11 +101,11 @@ class AcceptanceCalibration:
         """Calibrated chance per node that it is accepted given its parent is (at depth 0 with
         the node's own raw guess in the prior, deeper as in :meth:`chance_table`)."""
         _, length, depth, _ = np.unravel_index(bucket, SHAPE)
-        accepted, observed = self._first_counts()
+        self.chance_table()  # past depth 0 the table's chances, and depth 0's prior as of its refresh
+        accepted, observed = self._first
         first = _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
                           _first_prior(accepted[length], observed[length], np.asarray(raw_prob, np.float64),
                                        self.prior_strength), self.prior_strength)
-        self.chance_table()  # past depth 0: the table's chances (at most TABLE_REFRESH_STEPS behind)
         return np.where(depth > 0, self._chances.reshape(-1)[bucket], first)
 
     def chance_table(self) -> ChanceTable:
@@ -112,7 +114,8 @@ class AcceptanceCalibration:
         most every ``TABLE_REFRESH_STEPS`` steps and only after new observations (the same
         arrays otherwise: nothing copied)."""
         if self._table is None or (self._table_stale and self.steps - self._table_step >= TABLE_REFRESH_STEPS):
-            self._chances = self._all_chances()
+            self._first = self._first_counts()
+            self._chances, self._best_first = self._all_chances(), self._best_first_chance()
             self._table = ChanceTable(self._chances.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
             self._table_step, self._table_stale = self.steps, False
         return self._table
@@ -121,7 +124,7 @@ class AcceptanceCalibration:
         """Every bucket's chance with the raw-probability bucket's midpoint as the drafter's
         guess, each depth shrunk towards the one above it."""
         midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
-        accepted, observed = self._first_counts()
+        accepted, observed = self._first
         first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
         chances = np.array(np.broadcast_to(first[None, :, None, :], SHAPE))
         seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))  # unseen sources keep the prior at every depth
@@ -135,7 +138,12 @@ class AcceptanceCalibration:
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have
         been seen in (the prior guess for a raw probability of 1 before any): the optimistic
-        bound behind skipping searches. Decay lets a skipped drafter's buckets drift back."""
+        bound behind skipping searches, refreshed with :meth:`chance_table`. Decay lets a skipped
+        drafter's buckets drift back."""
+        self.chance_table()
+        return self._best_first
+
+    def _best_first_chance(self) -> float:
         strength = self.prior_strength
         observed = self.observed[:, :, 0]
         if not (observed > 0).any():

@@ -65,11 +65,11 @@ def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
     """The nodes (at most ``budgets[i]`` for row ``i``) of the best expected rate with their
     cost counted ``1 + margin`` times, or none when that rate does not beat not speculating."""
     num_reqs = candidates.num_reqs
-    best = _best_prefix(candidates, cost, draft_seconds, margin)
-    if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
-        chain = _best_prefix(candidates.restricted_to_main_paths(), cost, draft_seconds, margin)
-        best = best if _rate(best) > _rate(chain) else chain
     idle = float(cost.predict(num_reqs, num_reqs))
+    best = _best_prefix(candidates, cost, idle, draft_seconds, margin)
+    if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
+        chain = _best_prefix(candidates.restricted_to_main_paths(), cost, idle, draft_seconds, margin)
+        best = best if _rate(best) > _rate(chain) else chain
     if _rate(best) <= num_reqs / max(idle, 1e-9):
         return Choice(np.zeros_like(best.keep), float(num_reqs), idle, 0.0)
     return Choice(best.keep, best.expected_tokens, best.expected_seconds,
@@ -96,9 +96,11 @@ def _rate(choice: Choice) -> float:
     return choice.expected_tokens / max(choice.expected_seconds + choice.margin_seconds, 1e-9)
 
 
-def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds: float, margin: float) -> Choice:
+def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, idle: float, draft_seconds: float,
+                 margin: float) -> Choice:
     """The ``b`` nodes (within row budgets) of the highest chance per verification cost, for the
-    ``b`` of the highest rate (what they add to the step counted ``1 + margin`` times)."""
+    ``b`` of the highest rate (what they add to a step of ``idle`` seconds counted ``1 + margin``
+    times)."""
     path_chance, num_reqs = candidates.path_chance, candidates.num_reqs
     rows, width = path_chance.shape
     order = np.argsort(-path_chance, axis=1, kind="stable")
@@ -114,7 +116,6 @@ def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
     gained, sampled, work = (np.concatenate(([0.0], np.cumsum(values[by_chance])))
                              for values in (chances, sampled, work))
     counts = np.arange(len(gained))
-    idle = float(cost.predict(num_reqs, num_reqs))
     added = cost.predict(num_reqs, num_reqs + counts, tree_work=work, sampled=sampled) - idle
     added = added + np.where(counts > 0, draft_seconds, 0.0)
     best = int(np.argmax((num_reqs + gained) / np.maximum(idle + (1.0 + margin) * added, 1e-9)))

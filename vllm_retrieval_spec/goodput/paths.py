@@ -1,19 +1,21 @@
 """Whole-array walks up ``[rows, N]`` parents-first trees (parent -1 = the root): each node's
 value folded with its ancestors' by pointer doubling, ``log2(depth)`` rounds of array operations
-and no loop over the N columns, so that the per-step cost stays flat as drafts grow deeper."""
+and no loop over the N columns, so that the per-step cost stays flat as drafts grow deeper
+(chains, the common case, in one scan along the columns)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
 
-def fold_paths(values: np.ndarray, parents: np.ndarray, combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
-               ) -> np.ndarray:
-    """Per node, ``combine`` (associative) of its value and every ancestor's."""
-    folded = np.array(values, copy=True)
+def fold_paths(values: np.ndarray, parents: np.ndarray, combine: np.ufunc) -> np.ndarray:
+    """Per node, ``combine`` (an associative ufunc) of its value and every ancestor's."""
     up = np.asarray(parents)
+    chained = _chain_lengths(up)
+    if chained is not None:  # chains (each node's parent the one before it, then padding): one scan
+        column = np.arange(up.shape[1])[None, :]
+        return np.where(column < chained[:, None], combine.accumulate(values, axis=1), values)
+    folded = np.array(values, copy=True)
     rows = np.arange(up.shape[0])[:, None]
     while True:
         linked = up >= 0
@@ -22,6 +24,17 @@ def fold_paths(values: np.ndarray, parents: np.ndarray, combine: Callable[[np.nd
         above = np.maximum(up, 0)
         folded = np.where(linked, combine(folded, folded[rows, above]), folded)
         up = np.where(linked, up[rows, above], -1)
+
+
+def _chain_lengths(parents: np.ndarray) -> np.ndarray | None:
+    """Per row, how many leading nodes form a chain from the root, when every row is such a
+    chain followed only by roots (-1, the padding of a row's unused columns); else None."""
+    if parents.ndim != 2 or parents.shape[1] == 0:
+        return None
+    in_chain = parents == np.arange(-1, parents.shape[1] - 1)[None, :]
+    lengths = np.logical_and.accumulate(in_chain, axis=1).sum(axis=1)
+    rest = np.arange(parents.shape[1])[None, :] >= lengths[:, None]
+    return lengths if (parents[rest] == -1).all() else None
 
 
 def node_depths(parents: np.ndarray) -> np.ndarray:
