@@ -175,8 +175,14 @@ def parse_option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def base_config(name: str) -> str:
+    """The config a run label names: ``rest_k32@2`` is ``rest_k32`` run a second time."""
+    return name.split("@", 1)[0]
+
+
 def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    config = with_options(CONFIGS[name], {**dict(args.option), **(NEVER_DRAFT if name == SEEDED_REFERENCE else {})})
+    seeded_reference = NEVER_DRAFT if name == SEEDED_REFERENCE else {}
+    config = with_options(CONFIGS[base_config(name)], {**dict(args.option), **seeded_reference})
     spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
                       max_num_seqs=max(args.concurrency, 1))
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
@@ -300,16 +306,17 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
 
 def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: bool = True) -> None:
     """Ratios to no speculation (the mean of its runs, first and, with --repeat-baseline, last)
-    and to vLLM suffix, and (greedy or seeded) prompts differing from the same engine without
-    drafts: for ours our sampler drafting nothing where it ran (seeded runs), else no speculation."""
-    suffix = next((r for r in results if r["config"] == "suffix"), None)
-    baseline = [r["tokens_per_second"] for r in results if r["config"] in ("none", "none_again")]
+    and to vLLM suffix (the mean of its runs), and (greedy or seeded) prompts differing from the same
+    engine without drafts: for ours our sampler drafting nothing where it ran (seeded runs), else no
+    speculation."""
+    suffix = [r["tokens_per_second"] for r in results if base_config(r["config"]) == "suffix"]
+    baseline = [r["tokens_per_second"] for r in results if base_config(r["config"]) in ("none", "none_again")]
     names = [r["config"] for r in results]
     ours_reference = outputs[names.index(SEEDED_REFERENCE)] if SEEDED_REFERENCE in names else outputs[0]
     for result, output in zip(results, outputs):
-        reference = ours_reference if is_ours(CONFIGS[result["config"]]) else outputs[0]
+        reference = ours_reference if is_ours(CONFIGS[base_config(result["config"])]) else outputs[0]
         result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
-        result["speedup_vs_suffix"] = result["tokens_per_second"] / suffix["tokens_per_second"] if suffix else None
+        result["speedup_vs_suffix"] = result["tokens_per_second"] / (sum(suffix) / len(suffix)) if suffix else None
         result["prompts_differing_from_none"] = (sum(a != b for a, b in zip(reference, output))
                                                  if repeatable else None)
 
@@ -359,9 +366,9 @@ def resolve_configs(requested: list[str], repeat_baseline: bool, seeded: bool = 
     names += ["none_again"] if repeat_baseline else []
     available = []
     for name in names:
-        if name not in CONFIGS:
-            sys.exit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
-        needed = CONFIGS[name].get("requires")
+        if base_config(name) not in CONFIGS:
+            sys.exit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (NAME@2: NAME run again)")
+        needed = CONFIGS[base_config(name)].get("requires")
         if needed and importlib.util.find_spec(needed) is None:
             print(f"skipping {name}: it needs `{needed}` (benchmarks/results/README.md, 'Benchmarks')",
                   file=sys.stderr)
@@ -379,7 +386,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
-    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help=f"from {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                        help=f"from {', '.join(CONFIGS)}; NAME@2 runs NAME again (interleave repeats against "
+                             "the machine's drift: speed-ups are against the mean of no speculation's and of "
+                             "suffix's runs)")
     parser.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
                         help="retrieval_spec option for every config of ours (repeatable), e.g. "
                              "datastore=DIR dense_datastore=DIR for in-distribution stores")
