@@ -1,0 +1,276 @@
+"""REST with its goodput budget against vLLM ``suffix``, replayed offline on the target's greedy outputs.
+
+With greedy verification a draft's accepted length is fixed by the output the model produces
+anyway, so the whole drafting loop can be replayed without the model: the target's greedy
+outputs of a workload are generated once (in-process vLLM, fp32; cached), then requests are
+decoded in lock step, ``--concurrency`` at a time (a finished request's slot takes the next):
+REST through the real kernel, goodput budget (calibration, per-request factors, chooser), output
+index and live index, exactly as the proposer drives them, and Arctic Inference's
+``SuffixDecodingCache`` as vLLM's ``suffix`` method drives it. A step's time is simulated with a
+fixed linear cost (``--step-ms + --request-ms × requests + --draft-token-ms × drafts``, the
+budget's cost model knows it exactly) plus the measured drafting time, so the figures isolate
+what the drafts and the budget's choices are worth; acceptance.py measures the real thing.
+Minutes instead of an hour per comparison: how the calibration traps, the whole-batch margin and
+the compounding per-request factor of this session were found.
+
+    python benchmarks/budget_replay.py --workloads code_edit humaneval_chat --concurrency 1 8
+
+Writes results/budget_replay_c<concurrency>[_<tag>].json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_retrieval_spec.compat import configure_vllm_environment
+
+configure_vllm_environment(in_process=True)
+
+import numpy as np  # noqa: E402
+
+from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
+from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
+from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace, load_traces, save_traces  # noqa: E402
+from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
+from vllm_retrieval_spec.goodput.cost_model import PRIORS  # noqa: E402
+from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
+from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
+from vllm_retrieval_spec.paths import cache_root  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATA = Path(__file__).resolve().parent / "data"
+SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth (and its num_speculative_tokens)
+# Seconds (step, per request, per draft token) fitted to acceptance.py runs on the 2-core CPU.
+COSTS = {1: (0.042, 0.0, 0.0022), 8: (0.034, 0.007, 0.0032)}
+
+
+@dataclass
+class Tally:
+    """What one replay drafted, accepted and spent."""
+
+    request_steps: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    drafting_seconds: float = 0.0
+    engine_steps: int = 0
+
+    def row(self, name: str) -> dict:
+        steps = max(self.request_steps, 1)
+        return {"config": name, "honest_tokens_per_step": self.generated / steps,
+                "drafted_per_request_step": self.drafted / steps, "accepted_per_request_step": self.accepted / steps,
+                "acceptance_rate": self.accepted / max(self.drafted, 1),
+                "drafting_ms_per_step": 1000 * self.drafting_seconds / max(self.engine_steps, 1),
+                "simulated_tokens_per_second": self.generated / max(self.seconds, 1e-9)}
+
+
+@dataclass
+class Slot:
+    """A request in flight: its trace, how far it got and what it sampled last step."""
+
+    index: int
+    trace: GreedyTrace
+    position: int = 1
+    sampled: list[int] = field(default_factory=list)
+
+    @property
+    def context_length(self) -> int:
+        return len(self.trace.prompt_ids) + self.position
+
+    def advance(self, draft: list[int]) -> int:
+        """Verify ``draft`` against the greedy output; returns the accepted count."""
+        expected = self.trace.output_ids[self.position:]
+        accepted = next((i for i, (a, b) in enumerate(zip(draft, expected)) if a != b), min(len(draft), len(expected)))
+        self.sampled = expected[: accepted + 1]
+        self.position += len(self.sampled)
+        return accepted
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.trace.output_ids)
+
+
+def lock_step(traces: list[GreedyTrace], concurrency: int, cost: tuple[float, float, float], drafter) -> Tally:
+    """Decode every trace, ``concurrency`` at a time, with ``drafter(slots) -> drafts`` per step
+    (its ``seconds``: drafting time so far, the replay's own bookkeeping excluded;
+    ``drafter.finish(slot)`` when a request ends)."""
+    tally, pending, active = Tally(), list(enumerate(traces))[::-1], []
+    step_seconds, request_seconds, token_seconds = cost
+    while pending or active:
+        while pending and len(active) < concurrency:
+            index, trace = pending.pop()
+            active.append(Slot(index, trace, sampled=trace.output_ids[:1]))
+        before = drafter.seconds
+        drafts = drafter(active)
+        drafting = drafter.seconds - before
+        drafted = sum(map(len, drafts))
+        tally.accepted += sum(slot.advance(draft) for slot, draft in zip(active, drafts))
+        tally.drafted += drafted
+        tally.request_steps += len(active)
+        tally.engine_steps += 1
+        tally.drafting_seconds += drafting
+        tally.seconds += step_seconds + request_seconds * len(active) + token_seconds * drafted + drafting
+        for slot in [s for s in active if s.done]:
+            active.remove(slot)
+            tally.generated += len(slot.trace.output_ids) - 1
+            drafter.finish(slot)
+    return tally
+
+
+class SuffixDrafter:
+    """vLLM's ``suffix`` method: Arctic Inference's cache with vLLM's default settings."""
+
+    def __init__(self) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=SUFFIX_DEPTH, max_cached_requests=10_000)
+        self.seconds = 0.0
+
+    def __call__(self, slots: list[Slot]) -> list[list[int]]:
+        drafts = []
+        for slot in slots:
+            context = np.array((slot.trace.prompt_ids + slot.trace.output_ids)[: slot.context_length], np.int32)
+            start = time.perf_counter()
+            if slot.index not in self.cache.active_requests:
+                self.cache.start_request(slot.index, np.array(slot.trace.prompt_ids, np.int32))
+            self.cache.add_active_response(slot.index, slot.sampled)
+            draft = self.cache.speculate(slot.index, context[-SUFFIX_DEPTH:], max_spec_tokens=SUFFIX_DEPTH,
+                                         max_spec_factor=1.0, min_token_prob=0.1)
+            self.seconds += time.perf_counter() - start
+            drafts.append(list(draft.token_ids))
+        return drafts
+
+    def finish(self, slot: Slot) -> None:
+        self.cache.stop_request(slot.index)
+
+
+class RestDrafter:
+    """``RestProposer``'s step with budget ``auto``: observe, skip, search, choose."""
+
+    def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float]) -> None:
+        options = RetrievalSpecOptions()
+        self.store, self.params = store, RestParams.from_options(options, chain_len=k)
+        prior = (*cost, *PRIORS["cpu"][3:])
+        self.budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel(prior=prior))
+        self.output_index = OutputIndex(options.output_index_tokens, background=False)
+        self.live = LiveIndex.from_options(options) if concurrency > 1 else None
+        self.live_max_matches = options.live_max_matches
+        self.seconds = 0.0
+
+    def __call__(self, slots: list[Slot]) -> list[list[int]]:
+        req_ids = [str(slot.index) for slot in slots]
+        width = max(len(s.trace.prompt_ids) + len(s.trace.output_ids) for s in slots)
+        tokens = np.zeros((len(slots), width), np.int32)
+        for row, slot in enumerate(slots):
+            full = slot.trace.prompt_ids + slot.trace.output_ids
+            tokens[row, : len(full)] = full
+        lengths = np.array([slot.context_length for slot in slots], np.int32)
+        start = time.perf_counter()
+        drafts = self._draft(req_ids, tokens, lengths, [slot.sampled for slot in slots])
+        self.seconds += time.perf_counter() - start
+        return drafts
+
+    def _draft(self, req_ids: list[str], tokens: np.ndarray, lengths: np.ndarray,
+               sampled: list[list[int]]) -> list[list[int]]:
+        if self.live is not None:
+            self.live.update(req_ids, tokens, lengths)
+        start = time.perf_counter()  # the search time the budget weighs, as the proposer's
+        self.budget.observe(req_ids, sampled)
+        rows = np.flatnonzero(self.budget.worth_searching(req_ids, len(req_ids))).astype(np.int32)
+        drafts = [[] for _ in req_ids]
+        if not len(rows):
+            return drafts
+        live = None if self.live is None else self.live.lookup(
+            req_ids, tokens, lengths, rows, self.live_max_matches, self.params.continuation_len).as_given()
+        found = rest_retrieve(self.store, tokens, lengths, rows, self.params, output_index=self.output_index.native,
+                              live=live, chances=self.budget.chance_table())
+        nodes = found.nodes(False)
+        keep = self.budget.choose([req_ids[r] for r in rows], nodes, np.full(len(rows), self.params.chain_len),
+                                  len(req_ids), time.perf_counter() - start)
+        kept, _, sizes, _ = nodes.kept(keep)
+        for j, row in enumerate(rows.tolist()):
+            drafts[row] = kept[j, : sizes[j]].tolist()
+        return drafts
+
+    def finish(self, slot: Slot) -> None:
+        self.budget.observe([str(slot.index)], [slot.sampled])
+        self.budget.release([str(slot.index)])
+        if self.live is not None:
+            self.live.remove([str(slot.index)])
+        self.output_index.add(np.array(slot.trace.prompt_ids + slot.trace.output_ids))
+
+
+def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
+    """The greedy outputs of a workload's first ``prompts`` prompts, generated once and cached."""
+    path = cache_root() / "traces" / f"{workload}_n{prompts}_t{max_tokens}.json"
+    if path.is_file():
+        return load_traces(path)
+    from acceptance import dataset_prompts
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
+
+    print(f"generating greedy outputs of {workload} once; cached at {path}", flush=True)
+    texts = dataset_prompts(DATA / f"{workload}.jsonl", prompts, AutoTokenizer.from_pretrained(model))
+    llm = build_llm(EngineSpec(model, max_num_seqs=16))
+    try:
+        run = generate(llm, texts, max_tokens, concurrency=16)
+    finally:
+        shutdown_llm(llm)
+    traces = [GreedyTrace(r.prompt_ids, r.output_ids) for r in run.records]
+    save_traces(traces, path)
+    return traces
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["code_edit", "multi_turn", "doc_qa", "humaneval_chat"])
+    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], choices=sorted(COSTS))
+    parser.add_argument("--k", type=int, default=32, help="REST's num_speculative_tokens")
+    parser.add_argument("--tag", default="")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    model = ensure_smollm2_checkpoint()
+    store, _ = open_datastore_for_model(RetrievalSpecOptions().datastore, model)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for concurrency in args.concurrency:
+        cost, report = COSTS[concurrency], []
+        print(f"\n{concurrency} in flight (simulated step: {cost[0] * 1000:.0f} ms + {cost[1] * 1000:.0f} ms/request "
+              f"+ {cost[2] * 1000:.1f} ms/draft token + drafting)")
+        print(f"{'workload':15s} {'config':9s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
+              f"{'draft ms':>9s} {'tok/s':>7s} {'x suffix':>9s}")
+        for workload in args.workloads:
+            tokens = 128 if workload in ("code_edit", "multi_turn") else 64
+            traces = workload_traces(model, workload, args.prompts, tokens)
+            suffix = lock_step(traces, concurrency, cost, SuffixDrafter()).row("suffix")
+            rest = lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost)).row(
+                f"rest_k{args.k}")
+            for row in (suffix, rest):
+                row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]
+                           / suffix["simulated_tokens_per_second"])
+                report.append(row)
+                print(f"{workload:15s} {row['config']:9s} {row['honest_tokens_per_step']:7.2f} "
+                      f"{row['drafted_per_request_step']:8.2f} {row['accepted_per_request_step']:9.2f} "
+                      f"{row['acceptance_rate']:7.1%} {row['drafting_ms_per_step']:9.2f} "
+                      f"{row['simulated_tokens_per_second']:7.1f} {row['speedup_vs_suffix']:8.2f}x")
+        out = RESULTS / f"budget_replay_c{concurrency}{'_' + args.tag if args.tag else ''}.json"
+        out.write_text(json.dumps({"concurrency": concurrency, "cost_seconds": cost, "prompts": args.prompts,
+                                   "k": args.k, "results": report}, indent=2) + "\n")
+        print(f"written: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
