@@ -407,8 +407,8 @@ def test_the_chance_table_follows_observations_and_is_reused_between_refreshes()
 def test_a_depth_never_drafted_starts_where_the_depth_above_it_stands():
     """A copy accepted at every depth drafted so far (0-7) makes the never-drafted depths 8-63
     as likely as depth 7, not the drafter's halved guess, so the chooser drafts them and learns;
-    once observed, a deep bucket follows its own counts, and the depths below a rejected one fall
-    back to what every node at their depth does (here nothing seen: the halved guess)."""
+    once observed, a deep bucket follows its own counts, and a rejected depth pulls the depths
+    below it down with it."""
     calibration = AcceptanceCalibration()
     nodes = long_chain(SOURCE_CONTEXT, 16, 1.0, width=64)
     depth = node_depths(nodes.parents)
@@ -424,8 +424,7 @@ def test_a_depth_never_drafted_starts_where_the_depth_above_it_stands():
     for _ in range(4):
         calibration.tick()
     chance = calibration.estimate(bucket, nodes.prob[0])
-    assert chance[7] > 0.95 and chance[8] < 0.05
-    np.testing.assert_allclose(chance[12:], 0.5 * 0.95, rtol=1e-9)
+    assert chance[7] > 0.95 and chance[8] < 0.05 and chance[12:].max() < 0.5
     np.testing.assert_allclose(calibration.chance_table().chance.reshape(-1)[bucket],
                                calibration.estimate(bucket, np.full(64, 0.95)), rtol=1e-6)
 

@@ -4,13 +4,10 @@ A node's chance of being accepted given that its parent is comes from decaying,
 Laplace-smoothed counts keyed by (source, match-length bucket, depth bucket, raw-probability
 bucket). Depth buckets are exact up to 8 and log-spaced beyond (two per doubling), so that deep
 drafts (up to vLLM's 128 tokens) keep separate estimates without thinning the shallow ones.
-A sparse bucket borrows from the larger of the same bucket one depth shallower and what every
-node at its depth does: acceptance given the parent rarely falls with depth (a copy that held for
-8 tokens tends to hold for the 9th, and over all drafts it rises: ~0.4 at depth 0, ~0.6 at 1,
-~0.75 at 2 on this project's workloads), and a bucket too deep to have been drafted yet must
-start there, not at a guess so low that the chooser never drafts it and never learns otherwise
-(at 8 requests in flight, where a node must beat ~30%, that trap kept both long copies and the
-second token of weak first guesses undrafted). A depth-0 bucket
+A sparse bucket borrows from the same bucket one depth shallower: acceptance given the parent
+rarely falls with depth (a copy that held for 8 tokens tends to hold for the 9th), and a bucket
+too deep to have been drafted yet must start where its shallower neighbour stands, not at a
+guess so low that the chooser never drafts it and never learns otherwise. A depth-0 bucket
 borrows from every source's depth-0 nodes of its match length (the strongest predictor: a
 16-token match is accepted far more often than a 1-token one, whichever sources found it, so a
 new combination of sources starts where its match length stands), which borrow from the
@@ -52,24 +49,23 @@ def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, str
     return np.clip((accepted + strength * prior) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
 
 
-def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, floor: np.ndarray,
-                   strength: float) -> np.ndarray:
-    """Smoothed chances along the depth axis (2) of ``[source, length, depth, prob]`` counts:
-    depth 0 shrunk towards ``first`` (``[.., length, prob]``), each deeper depth towards the
-    larger of the depth above it and ``floor`` (``[depth, prob]``)."""
-    chances = np.empty(accepted.shape)
-    prior = np.broadcast_to(first, accepted[:, :, 0].shape)
-    for depth in range(accepted.shape[2]):
-        if depth:
-            prior = np.maximum(prior, floor[depth])
-        prior = chances[:, :, depth] = (accepted[:, :, depth] + strength * prior) / (observed[:, :, depth] + strength)
-    return chances
+def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, strength: float) -> np.ndarray:
+    """``c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength)`` along the depth
+    axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first`` (``[.., length,
+    prob]``), in closed form:
+    ``c[d] = B[d]·(first + Σ_{j ≤ d} a[j] / B[j])`` for ``a = accepted / (observed + strength)``
+    and ``B`` the running product of ``strength / (observed + strength)`` (never below
+    ~1e-90 for the counts a budget holds)."""
+    total = observed + strength
+    carried = np.cumprod(strength / total, axis=2)
+    return carried * (first[..., None, :] + np.cumsum(accepted / total / carried, axis=2))
 
 
-def _first_prior(accepted: np.ndarray, observed: np.ndarray, raw_prob: np.ndarray, strength: float) -> np.ndarray:
-    """Pooled counts (a match length's depth-0 nodes, or a depth's nodes) over the drafter's
-    halved guess: the prior of the buckets they pool."""
-    return (accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (observed + strength)
+def _first_prior(length_accepted: np.ndarray, length_observed: np.ndarray, raw_prob: np.ndarray,
+                 strength: float) -> np.ndarray:
+    """The prior of a depth-0 bucket: the depth-0 counts of its match length over the drafter's
+    halved guess."""
+    return (length_accepted + strength * RAW_PRIOR_SCALE * raw_prob) / (length_observed + strength)
 
 
 @dataclass
@@ -126,17 +122,14 @@ class AcceptanceCalibration:
 
     def _all_chances(self) -> np.ndarray:
         """Every bucket's chance with the raw-probability bucket's midpoint as the drafter's
-        guess (see the module docstring for what a sparse bucket borrows)."""
+        guess, each depth shrunk towards the one above it."""
         midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
         accepted, observed = self._first
         first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
-        floor = _first_prior(self.accepted.sum(axis=(0, 1)), self.observed.sum(axis=(0, 1)), midpoint,
-                             self.prior_strength)  # [depth, prob]: every source and length at that depth
-        unseen = _depth_chained(*np.zeros((2, 1, *SHAPE[1:])), first, floor, self.prior_strength)
-        chances = np.array(np.broadcast_to(unseen, SHAPE))
-        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))  # unseen sources keep the priors
-        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first, floor, self.prior_strength)
-        return np.clip(chances, MIN_CHANCE, MAX_CHANCE)
+        chances = np.array(np.broadcast_to(first[None, :, None, :], SHAPE))
+        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))  # unseen sources keep the prior at every depth
+        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first[None], self.prior_strength)
+        return np.minimum(np.maximum(chances, MIN_CHANCE, out=chances), MAX_CHANCE, out=chances)  # np.clip: 7x slower
 
     def _first_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Decaying accepted and observed counts of depth-0 nodes per match-length bucket."""
