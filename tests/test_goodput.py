@@ -456,19 +456,3 @@ def test_a_few_good_nodes_are_drafted_in_a_large_batch():
     assert choice.keep[0, :2].all() and choice.keep.sum() == 2
     weak = np.where(chance > 0, 0.02, 0.0)  # 0.02 of a token for 1.5 ms at ~380 tokens/s does not pay
     assert not choose_nodes(NodeCandidates(weak, np.full(32, 8), 32), cost, 0.0, 0.05).keep.any()
-
-
-def test_a_requests_factor_scales_only_its_first_token():
-    """A request whose first draft tokens were rejected more often than calibrated drafts less
-    often, but a copy it does draft is not cut short by the factor compounding along the path."""
-    budget = trained_budget(SOURCE_CONTEXT, 16, 1.0, 0.95)
-    nodes = long_chain(SOURCE_CONTEXT, 16, 1.0, width=24)
-    slot = budget.factors.slots_of(["unlucky"])
-    for _ in range(5):
-        budget.factors.record(slot, np.ones(1), np.full(1, 0.5))
-    factor = float(budget.factors.factor(slot)[0])
-    assert factor < 0.8
-    budget.choose(["unlucky"], nodes, np.array([24]), 1, draft_seconds=0.0)
-    depth = node_depths(nodes.parents)
-    calibrated = budget.calibration.estimate(budget.calibration.buckets(nodes, depth), nodes.prob)[0]
-    np.testing.assert_allclose(budget._pending.chance[0], calibrated * np.r_[factor, np.ones(23)], rtol=1e-9)

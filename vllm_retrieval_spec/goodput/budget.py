@@ -5,9 +5,7 @@ Each step, in the proposers' base (through the session):
 1. :meth:`GoodputBudget.observe` reads, from the tokens each request just sampled, which of
    the nodes drafted for it last step were accepted (a node is accepted when its parent is
    and its token is the one sampled at its depth), and feeds calibration and the request's
-   own factor (how much better or worse than calibrated its first draft tokens fare; it scales
-   only the chance of a row's first token: scaling every depth's chance given its parent would
-   compound along a path, a factor of 0.8 cutting a 10-token copy's last node to a tenth);
+   own factor;
 2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
    for its verification (their search is skipped);
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
@@ -156,8 +154,7 @@ class GoodputBudget:
         chance, bucket = pending.chance[present], pending.bucket[present]
         self.calibration.observe(bucket[observed], chance[observed], accepted[observed])
         slots = self.factors.slots_of([pending.req_ids[i] for i in np.flatnonzero(present)])
-        first = observed & (pending.depth[present] == 0)
-        self.factors.record(slots, np.where(first, chance, 0.0).sum(axis=1), (accepted & first).sum(axis=1))
+        self.factors.record(slots, np.where(observed, chance, 0.0).sum(axis=1), accepted.sum(axis=1))
         self.stats.observed_nodes += int(observed.sum())
         self.stats.accepted_nodes += int(accepted.sum())
         source = pending.source[present]
@@ -199,8 +196,7 @@ class GoodputBudget:
         depth = node_depths(nodes.parents)
         bucket = self.calibration.buckets(nodes, depth)
         factor = self.factors.factor(self.factors.slots_of(req_ids))
-        scale = np.where(depth == 0, factor[:, None], 1.0)
-        chance = np.minimum(self.calibration.estimate(bucket, nodes.prob) * scale, MAX_CHANCE)
+        chance = np.minimum(self.calibration.estimate(bucket, nodes.prob) * factor[:, None], MAX_CHANCE)
         chance = np.where(valid, chance, 0.0)
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
