@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
-from vllm_retrieval_spec.evaluation.replay import GreedyTrace, load_traces, save_traces  # noqa: E402
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace, load_traces  # noqa: E402
+from vllm_retrieval_spec.evaluation.traces import generated_traces  # noqa: E402
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
 from vllm_retrieval_spec.goodput.cost_model import PRIORS  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
@@ -216,18 +217,9 @@ def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -
     from acceptance import dataset_prompts
     from transformers import AutoTokenizer
 
-    from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
-
     print(f"generating greedy outputs of {workload} once; cached at {path}", flush=True)
     texts = dataset_prompts(DATA / f"{workload}.jsonl", prompts, AutoTokenizer.from_pretrained(model))
-    llm = build_llm(EngineSpec(model, max_num_seqs=16))
-    try:
-        run = generate(llm, texts, max_tokens, concurrency=16)
-    finally:
-        shutdown_llm(llm)
-    traces = [GreedyTrace(r.prompt_ids, r.output_ids) for r in run.records]
-    save_traces(traces, path)
-    return traces
+    return generated_traces(model, texts, max_tokens, path)
 
 
 def parse_args() -> argparse.Namespace:

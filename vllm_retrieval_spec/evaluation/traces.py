@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_retrieval_spec.evaluation.prompts import PromptForm, humaneval_prompts
@@ -25,10 +26,16 @@ def greedy_traces(model: Path, form: PromptForm, prompts: int, max_tokens: int) 
         return load_traces(path)
     from transformers import AutoTokenizer
 
-    from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
-
     print(f"generating greedy traces ({form}, {prompts} prompts) once; cached at {path}", flush=True)
     texts = humaneval_prompts(prompts, form, AutoTokenizer.from_pretrained(model) if form == "chat" else None)
+    return generated_traces(model, texts, max_tokens, path)
+
+
+def generated_traces(model: Path, texts: Sequence[str], max_tokens: int, path: Path) -> list[GreedyTrace]:
+    """The target's greedy outputs of ``texts`` (an in-process vLLM engine, 16 at a time), saved
+    at ``path``."""
+    from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
+
     llm = build_llm(EngineSpec(model, max_num_seqs=16))
     try:
         run = generate(llm, texts, max_tokens, concurrency=16)
