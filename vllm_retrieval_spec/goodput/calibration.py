@@ -11,8 +11,8 @@ guess so low that the chooser never drafts it and never learns otherwise. A dept
 borrows from every source's depth-0 nodes of its match length (the strongest predictor: a
 16-token match is accepted far more often than a 1-token one, whichever sources found it, so a
 new combination of sources starts where its match length stands), which borrow from the
-drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are halved every ``decay_every``
-steps so that the estimates follow the traffic.
+drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
+halved every ``decay_every`` steps so that the estimates follow the traffic.
 :meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
 ranks its candidates by it.
 """
