@@ -10,8 +10,9 @@ index and live index, exactly as the proposer drives them, and Arctic Inference'
 fixed linear cost (``--step-ms + --request-ms × requests + --draft-token-ms × drafts``, the
 budget's cost model knows it exactly) plus the measured drafting time, so the figures isolate
 what the drafts and the budget's choices are worth; acceptance.py measures the real thing.
-Minutes instead of an hour per comparison: how the calibration traps, the whole-batch margin and
-the compounding per-request factor of this session were found.
+Minutes instead of an hour per comparison: how the calibration traps and the whole-batch margin
+were found. It leaves out the engine's own dynamics (a learned step cost, prefills, arrivals):
+confirm a change on the engine (a first-token-only request factor won here and lost there).
 
     python benchmarks/budget_replay.py --workloads code_edit humaneval_chat --concurrency 1 8
 
