@@ -82,6 +82,10 @@ class Slot:
     trace: GreedyTrace
     position: int = 1
     sampled: list[int] = field(default_factory=list)
+    tokens: np.ndarray = field(init=False, repr=False)  # prompt and whole output, int32
+
+    def __post_init__(self) -> None:
+        self.tokens = np.array(self.trace.prompt_ids + self.trace.output_ids, np.int32)
 
     @property
     def context_length(self) -> int:
@@ -139,12 +143,12 @@ class SuffixDrafter:
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
         drafts = []
         for slot in slots:
-            context = np.array((slot.trace.prompt_ids + slot.trace.output_ids)[: slot.context_length], np.int32)
+            context = slot.tokens[max(slot.context_length - SUFFIX_DEPTH, 0): slot.context_length]
             start = time.perf_counter()
             if slot.index not in self.cache.active_requests:
                 self.cache.start_request(slot.index, np.array(slot.trace.prompt_ids, np.int32))
             self.cache.add_active_response(slot.index, slot.sampled)
-            draft = self.cache.speculate(slot.index, context[-SUFFIX_DEPTH:], max_spec_tokens=SUFFIX_DEPTH,
+            draft = self.cache.speculate(slot.index, context, max_spec_tokens=SUFFIX_DEPTH,
                                          max_spec_factor=1.0, min_token_prob=0.1)
             self.seconds += time.perf_counter() - start
             drafts.append(list(draft.token_ids))
@@ -169,11 +173,9 @@ class RestDrafter:
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
         req_ids = [str(slot.index) for slot in slots]
-        width = max(len(s.trace.prompt_ids) + len(s.trace.output_ids) for s in slots)
-        tokens = np.zeros((len(slots), width), np.int32)
+        tokens = np.zeros((len(slots), max(len(slot.tokens) for slot in slots)), np.int32)
         for row, slot in enumerate(slots):
-            full = slot.trace.prompt_ids + slot.trace.output_ids
-            tokens[row, : len(full)] = full
+            tokens[row, : len(slot.tokens)] = slot.tokens
         lengths = np.array([slot.context_length for slot in slots], np.int32)
         start = time.perf_counter()
         drafts = self._draft(req_ids, tokens, lengths, [slot.sampled for slot in slots])
@@ -207,7 +209,7 @@ class RestDrafter:
         self.budget.release([str(slot.index)])
         if self.live is not None:
             self.live.remove([str(slot.index)])
-        self.output_index.add(np.array(slot.trace.prompt_ids + slot.trace.output_ids))
+        self.output_index.add(slot.tokens)
 
 
 def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
