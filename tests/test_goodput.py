@@ -472,12 +472,11 @@ def test_a_root_child_that_early_rejections_pushed_down_is_still_explored():
         calibration.observe(live, np.full(1, 0.5), np.zeros(1, bool))
     plain = calibration.estimate(context, np.ones(1))
     assert plain[0] < 0.25
-    spread = np.sqrt(plain[0] * (1 - plain[0]))  # never observed: the whole bonus
-    assert calibration.explored(context, plain)[0] == pytest.approx(plain[0] + calibration.explore * spread)
+    assert calibration.explored(context, plain)[0] > plain[0] + 0.25
     assert calibration.chance_table().chance.reshape(-1)[context] == pytest.approx(
         calibration.explored(context, calibration.estimate(context, np.full(1, 0.95))), rel=1e-6)
     for _ in range(60):
         calibration.observe(context, np.full(1, 0.5), np.ones(1, bool))
     plain = calibration.estimate(context, np.ones(1))
     assert plain[0] > 0.95
-    assert calibration.explored(context, plain)[0] - plain[0] < 0.002
+    assert calibration.explored(context, plain)[0] - plain[0] < 0.03

@@ -157,7 +157,7 @@ def test_ranks_on_different_clocks_draft_what_the_first_rank_drafts(tree, tmp_pa
 
 
 def test_one_rank_shares_no_clock():
-    budget = GoodputBudget.for_engine(0.05, 0.25, "cpu", tensor_parallel_size=1)
+    budget = GoodputBudget.for_engine(0.05, "cpu", tensor_parallel_size=1)
     assert tensor_parallel_clock(1) is None and budget.clock is None and budget.cost.clock is None
 
 

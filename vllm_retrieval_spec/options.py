@@ -17,7 +17,6 @@ from vllm_retrieval_spec.validation import has_type, require_ints
 OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 MAX_SPEC_LEN = 128  # vLLM's rejection sampler asserts at most this many drafts a request (vllm.v1.sample)
-BUDGET_EXPLORE = 0.25  # budget_explore's default
 BUDGET_POLICIES = ("auto", "fixed")
 CANDIDATE_RULES = ("deterministic", "sampled")
 
@@ -222,12 +221,6 @@ class RetrievalSpecOptions:
         0.05, _float_in(0.0, 10.0),
         "budget auto: keep a draft node only when its chance of acceptance pays for what it adds to the step "
         "(verification and its share of drafting time) with this fraction to spare",
-    )
-    budget_explore: float = _option(
-        BUDGET_EXPLORE, _float_in(0.0, 10.0),
-        "budget auto: how optimistic the budget is about the first token of a kind of draft it has rarely seen (by "
-        "its source, match length and raw probability): this many times the chance's spread, fading as the kind is "
-        "observed, so that a few early rejections cannot keep a good kind from ever being drafted again (0: none)",
     )
 
     ngram_table: str = _option(

@@ -132,13 +132,11 @@ class GoodputBudget:
     _pending: PendingNodes | None = None
 
     @classmethod
-    def for_engine(cls, margin: float, explore: float, device_type: str,
-                   tensor_parallel_size: int = 1) -> GoodputBudget:
-        """One runner's budget: the device's cost prior, the calibration's exploration bonus and,
-        with more than one tensor-parallel rank, the first rank's clock for step and drafting times."""
+    def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1) -> GoodputBudget:
+        """One runner's budget: the device's cost prior and, with more than one
+        tensor-parallel rank, the first rank's clock for step and drafting times."""
         clock = tensor_parallel_clock(tensor_parallel_size)
-        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock),
-                   calibration=AcceptanceCalibration(explore=explore), clock=clock)
+        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock), clock=clock)
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
         """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""

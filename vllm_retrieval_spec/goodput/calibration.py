@@ -15,18 +15,15 @@ drafter's own guess (its raw probability, halved: drafters are over-confident). 
 halved every ``decay_every`` steps so that the estimates follow the traffic.
 
 What the chooser and the kernel rank by is optimistic at depth 0: a root child's chance plus
-``explore`` times its spread ``sqrt(p(1 − p))``, shrunk as a prior of ``prior_strength`` nodes
-is by its bucket's observations (0.12 for a never-seen bucket at p = 0.42 with ``explore`` at
-its default 0.25, 0.01 after 20 observations). A bucket that a few early rejections (of any
-source at its match length) pushed below what pays is otherwise never drafted again and never
-corrected: in the budget replay, on multi-turn prompts at 8 in flight, three rejected
-live-index nodes at a 9-16-token match set every such context match at 0.42, and REST drafted a
-sixth of what it drafts from a better start for the rest of the run. A bonus that fades more
-slowly (a standard error, ``1 / sqrt(n)``) over-drafted on the engine: the depth-0 buckets are
-many and most stay sparse. Deeper buckets borrow from the depth above them, so a root child
-that is drafted and accepted again lifts its whole copy. The counts and the calibration report
-keep the plain estimate. :meth:`AcceptanceCalibration.chance_table` gives every bucket's
-optimistic chance to REST's kernel, which ranks its candidates by it.
+``explore`` standard errors of its bucket's estimate. A bucket that a few early rejections (of
+any source at its match length) pushed below what pays is otherwise never drafted again and never
+corrected: on multi-turn prompts at 8 in flight, three rejected live-index nodes at a 9-16-token
+match set every such context match at 0.42, and REST drafted a fifth of what it drafts from a
+better start for the rest of the run. The bonus fades as a bucket is observed (about 0.07 after
+50 observations with ``explore`` 1); deeper buckets borrow from the depth above them, so a
+root child that is drafted and accepted again lifts its whole copy. The counts and the
+calibration report keep the plain estimate. :meth:`AcceptanceCalibration.chance_table` gives
+every bucket's optimistic chance to REST's kernel, which ranks its candidates by it.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import numpy as np
 
 from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
-from vllm_retrieval_spec.options import BUDGET_EXPLORE, MAX_SPEC_LEN
+from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
 # Match-length buckets: 0 | 1 | 2 | 3-4 | 5-8 | 9-16 | 17+ tokens.
 MATCH_LENGTH_EDGES = np.array([1, 2, 3, 5, 9, 17])
@@ -53,6 +50,7 @@ RAW_PRIOR_SCALE = 0.5
 MAX_CHANCE = 0.99
 MIN_CHANCE = 1e-4
 TABLE_REFRESH_STEPS = 4  # the kernel's chance table follows the counts this many steps behind at most
+EXPLORE = 1.0  # standard errors added to a root child's chance when choosing and ranking
 
 
 def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
@@ -86,7 +84,7 @@ class AcceptanceCalibration:
 
     decay_every: int = 1024
     prior_strength: float = 2.0
-    explore: float = BUDGET_EXPLORE
+    explore: float = EXPLORE
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     observed: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     # Never decayed, for reports: per bucket, the chances predicted and the outcomes.
@@ -128,13 +126,10 @@ class AcceptanceCalibration:
         return np.where(depth == 0, self._optimistic(chance, self.observed.reshape(-1)[bucket]), chance)
 
     def _optimistic(self, chance: np.ndarray, observed: np.ndarray) -> np.ndarray:
-        """``chance`` plus ``explore`` times its spread ``sqrt(p(1 − p))`` shrunk like a prior
-        worth ``prior_strength`` nodes against ``observed`` ones (fading as 1 / observations,
-        faster than a standard error, so that well-known buckets are not over-drafted), at most
-        MAX_CHANCE."""
-        spread = np.sqrt(chance * (1.0 - chance))
-        return np.minimum(chance + self.explore * spread * self.prior_strength / (observed + self.prior_strength),
-                          MAX_CHANCE)
+        """``chance`` plus ``explore`` standard errors of an estimate from ``observed`` nodes
+        (and the prior's pseudo-nodes), at most MAX_CHANCE."""
+        error = np.sqrt(chance * (1.0 - chance) / (observed + self.prior_strength))
+        return np.minimum(chance + self.explore * error, MAX_CHANCE)
 
     def chance_table(self) -> ChanceTable:
         """Every bucket's chance (its raw-probability bucket's midpoint as the drafter's guess;
