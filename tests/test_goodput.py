@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_LIVE, DraftNodes
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, DraftNodes
 from vllm_retrieval_spec.goodput import (
     AcceptanceCalibration,
     GoodputBudget,
@@ -401,8 +401,7 @@ def test_the_chance_table_follows_observations_and_is_reused_between_refreshes()
     fresh = calibration.chance_table()
     assert fresh is not table
     midpoint = np.full(bucket.shape, 0.95)  # raw probability 1.0: the last bucket, [0.9, 1.0)
-    np.testing.assert_allclose(fresh.chance.reshape(-1)[bucket],
-                               calibration.explored(bucket, calibration.estimate(bucket, midpoint)), rtol=1e-6)
+    np.testing.assert_allclose(fresh.chance.reshape(-1)[bucket], calibration.estimate(bucket, midpoint), rtol=1e-6)
 
 
 def test_a_depth_never_drafted_starts_where_the_depth_above_it_stands():
@@ -427,7 +426,7 @@ def test_a_depth_never_drafted_starts_where_the_depth_above_it_stands():
     chance = calibration.estimate(bucket, nodes.prob[0])
     assert chance[7] > 0.95 and chance[8] < 0.05 and chance[12:].max() < 0.5
     np.testing.assert_allclose(calibration.chance_table().chance.reshape(-1)[bucket],
-                               calibration.explored(bucket, calibration.estimate(bucket, np.full(64, 0.95))), rtol=1e-6)
+                               calibration.estimate(bucket, np.full(64, 0.95)), rtol=1e-6)
 
 
 def test_a_new_combination_of_sources_starts_where_its_match_length_stands():
@@ -457,26 +456,3 @@ def test_a_few_good_nodes_are_drafted_in_a_large_batch():
     assert choice.keep[0, :2].all() and choice.keep.sum() == 2
     weak = np.where(chance > 0, 0.02, 0.0)  # 0.02 of a token for 1.5 ms at ~380 tokens/s does not pay
     assert not choose_nodes(NodeCandidates(weak, np.full(32, 8), 32), cost, 0.0, 0.05).keep.any()
-
-
-def test_a_root_child_that_early_rejections_pushed_down_is_still_explored():
-    """Three rejected live-index nodes at a 12-token match pull the prior of every depth-0 bucket
-    of that match length down: a context match there, ranked and chosen by its plain estimate,
-    would never be drafted and never corrected. Ranked and chosen with the exploration bonus, it
-    is; once observed accepted, its plain estimate follows the counts and the bonus fades."""
-    calibration = AcceptanceCalibration()
-    root = np.zeros((1, 1), np.int64)
-    live = calibration.buckets(long_chain(SOURCE_LIVE, 12, 1.0, width=1), root)[0]
-    context = calibration.buckets(long_chain(SOURCE_CONTEXT, 12, 1.0, width=1), root)[0]
-    for _ in range(3):
-        calibration.observe(live, np.full(1, 0.5), np.zeros(1, bool))
-    plain = calibration.estimate(context, np.ones(1))
-    assert plain[0] < 0.25
-    assert calibration.explored(context, plain)[0] > plain[0] + 0.25
-    assert calibration.chance_table().chance.reshape(-1)[context] == pytest.approx(
-        calibration.explored(context, calibration.estimate(context, np.full(1, 0.95))), rel=1e-6)
-    for _ in range(60):
-        calibration.observe(context, np.full(1, 0.5), np.ones(1, bool))
-    plain = calibration.estimate(context, np.ones(1))
-    assert plain[0] > 0.95
-    assert calibration.explored(context, plain)[0] - plain[0] < 0.03

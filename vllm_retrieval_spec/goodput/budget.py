@@ -196,12 +196,11 @@ class GoodputBudget:
         depth = node_depths(nodes.parents)
         bucket = self.calibration.buckets(nodes, depth)
         factor = self.factors.factor(self.factors.slots_of(req_ids))
-        plain = self.calibration.estimate(bucket, nodes.prob)
-        chance, optimistic = (np.where(valid, np.minimum(estimate * factor[:, None], MAX_CHANCE), 0.0)
-                              for estimate in (plain, self.calibration.explored(bucket, plain)))
+        chance = np.minimum(self.calibration.estimate(bucket, nodes.prob) * factor[:, None], MAX_CHANCE)
+        chance = np.where(valid, chance, 0.0)
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
-        candidates = NodeCandidates(path_products(optimistic, nodes.parents), budgets, num_reqs,
+        candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
                                     main_paths(nodes.parents, nodes.size) if trees else None, samples, context_tokens)
         choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
         self.calibration.tick()

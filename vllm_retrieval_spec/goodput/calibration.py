@@ -13,17 +13,8 @@ borrows from every source's depth-0 nodes of its match length (the strongest pre
 new combination of sources starts where its match length stands), which borrow from the
 drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
 halved every ``decay_every`` steps so that the estimates follow the traffic.
-
-What the chooser and the kernel rank by is optimistic at depth 0: a root child's chance plus
-``explore`` standard errors of its bucket's estimate. A bucket that a few early rejections (of
-any source at its match length) pushed below what pays is otherwise never drafted again and never
-corrected: on multi-turn prompts at 8 in flight, three rejected live-index nodes at a 9-16-token
-match set every such context match at 0.42, and REST drafted a fifth of what it drafts from a
-better start for the rest of the run. The bonus fades as a bucket is observed (about 0.07 after
-50 observations with ``explore`` 1); deeper buckets borrow from the depth above them, so a
-root child that is drafted and accepted again lifts its whole copy. The counts and the
-calibration report keep the plain estimate. :meth:`AcceptanceCalibration.chance_table` gives
-every bucket's optimistic chance to REST's kernel, which ranks its candidates by it.
+:meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
+ranks its candidates by it.
 """
 
 from __future__ import annotations
@@ -50,7 +41,6 @@ RAW_PRIOR_SCALE = 0.5
 MAX_CHANCE = 0.99
 MIN_CHANCE = 1e-4
 TABLE_REFRESH_STEPS = 4  # the kernel's chance table follows the counts this many steps behind at most
-EXPLORE = 1.0  # standard errors added to a root child's chance when choosing and ranking
 
 
 def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
@@ -84,7 +74,6 @@ class AcceptanceCalibration:
 
     decay_every: int = 1024
     prior_strength: float = 2.0
-    explore: float = EXPLORE
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     observed: np.ndarray = field(default_factory=lambda: np.zeros(SHAPE))
     # Never decayed, for reports: per bucket, the chances predicted and the outcomes.
@@ -119,30 +108,15 @@ class AcceptanceCalibration:
                                        self.prior_strength), self.prior_strength)
         return np.where(depth > 0, self._chances.reshape(-1)[bucket], first)
 
-    def explored(self, bucket: np.ndarray, chance: np.ndarray) -> np.ndarray:
-        """``chance`` (:meth:`estimate`'s) with the exploration bonus at depth 0, as the chooser
-        and the kernel rank by."""
-        depth = np.unravel_index(bucket, SHAPE)[2]
-        return np.where(depth == 0, self._optimistic(chance, self.observed.reshape(-1)[bucket]), chance)
-
-    def _optimistic(self, chance: np.ndarray, observed: np.ndarray) -> np.ndarray:
-        """``chance`` plus ``explore`` standard errors of an estimate from ``observed`` nodes
-        (and the prior's pseudo-nodes), at most MAX_CHANCE."""
-        error = np.sqrt(chance * (1.0 - chance) / (observed + self.prior_strength))
-        return np.minimum(chance + self.explore * error, MAX_CHANCE)
-
     def chance_table(self) -> ChanceTable:
-        """Every bucket's chance (its raw-probability bucket's midpoint as the drafter's guess;
-        optimistic at depth 0), for the kernel to rank candidates by and for :meth:`estimate` past
-        depth 0; rebuilt at
+        """Every bucket's chance (its raw-probability bucket's midpoint as the drafter's guess),
+        for the kernel to rank candidates by and for :meth:`estimate` past depth 0; rebuilt at
         most every ``TABLE_REFRESH_STEPS`` steps and only after new observations (the same
         arrays otherwise: nothing copied)."""
         if self._table is None or (self._table_stale and self.steps - self._table_step >= TABLE_REFRESH_STEPS):
             self._first = self._first_counts()
             self._chances, self._best_first = self._all_chances(), self._best_first_chance()
-            ranked = self._chances.copy()
-            ranked[:, :, 0] = self._optimistic(ranked[:, :, 0], self.observed[:, :, 0])
-            self._table = ChanceTable(ranked.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
+            self._table = ChanceTable(self._chances.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
             self._table_step, self._table_stale = self.steps, False
         return self._table
 
