@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
-from vllm_retrieval_spec.evaluation.replay import GreedyTrace, load_traces  # noqa: E402
-from vllm_retrieval_spec.evaluation.traces import generated_traces  # noqa: E402
+from vllm_retrieval_spec.evaluation.replay import GreedyTrace  # noqa: E402
+from vllm_retrieval_spec.evaluation.traces import cached_traces  # noqa: E402
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
 from vllm_retrieval_spec.goodput.cost_model import PRIORS  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
@@ -214,15 +214,15 @@ class RestDrafter:
 
 def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
     """The greedy outputs of a workload's first ``prompts`` prompts, generated once and cached."""
-    path = cache_root() / "traces" / f"{workload}_n{prompts}_t{max_tokens}.json"
-    if path.is_file():
-        return load_traces(path)
-    from acceptance import dataset_prompts
-    from transformers import AutoTokenizer
 
-    print(f"generating greedy outputs of {workload} once; cached at {path}", flush=True)
-    texts = dataset_prompts(DATA / f"{workload}.jsonl", prompts, AutoTokenizer.from_pretrained(model))
-    return generated_traces(model, texts, max_tokens, path)
+    def texts() -> list[str]:
+        from acceptance import dataset_prompts
+        from transformers import AutoTokenizer
+
+        return dataset_prompts(DATA / f"{workload}.jsonl", prompts, AutoTokenizer.from_pretrained(model))
+
+    path = cache_root() / "traces" / f"{workload}_n{prompts}_t{max_tokens}.json"
+    return cached_traces(model, path, max_tokens, texts, workload)
 
 
 def parse_args() -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vllm_retrieval_spec.evaluation.prompts import PromptForm, humaneval_prompts
@@ -21,24 +21,29 @@ def greedy_traces(model: Path, form: PromptForm, prompts: int, max_tokens: int) 
     Generating them builds an in-process vLLM engine, so call
     :func:`vllm_retrieval_spec.compat.configure_vllm_environment` first.
     """
-    path = traces_path(form, prompts, max_tokens)
+
+    def texts() -> list[str]:
+        from transformers import AutoTokenizer
+
+        return humaneval_prompts(prompts, form, AutoTokenizer.from_pretrained(model) if form == "chat" else None)
+
+    return cached_traces(model, traces_path(form, prompts, max_tokens), max_tokens, texts,
+                         f"HumanEval ({form}, {prompts} prompts)")
+
+
+def cached_traces(model: Path, path: Path, max_tokens: int, texts: Callable[[], Sequence[str]],
+                  what: str) -> list[GreedyTrace]:
+    """The target's greedy outputs of ``texts()``: read from ``path`` when it exists, else
+    generated once (an in-process vLLM engine, 16 at a time, saying so and naming ``what``) and
+    saved there."""
     if path.is_file():
         return load_traces(path)
-    from transformers import AutoTokenizer
-
-    print(f"generating greedy traces ({form}, {prompts} prompts) once; cached at {path}", flush=True)
-    texts = humaneval_prompts(prompts, form, AutoTokenizer.from_pretrained(model) if form == "chat" else None)
-    return generated_traces(model, texts, max_tokens, path)
-
-
-def generated_traces(model: Path, texts: Sequence[str], max_tokens: int, path: Path) -> list[GreedyTrace]:
-    """The target's greedy outputs of ``texts`` (an in-process vLLM engine, 16 at a time), saved
-    at ``path``."""
     from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
 
+    print(f"generating greedy outputs of {what} once; cached at {path}", flush=True)
     llm = build_llm(EngineSpec(model, max_num_seqs=16))
     try:
-        run = generate(llm, texts, max_tokens, concurrency=16)
+        run = generate(llm, texts(), max_tokens, concurrency=16)
     finally:
         shutdown_llm(llm)
     traces = [GreedyTrace(r.prompt_ids, r.output_ids) for r in run.records]
