@@ -136,6 +136,9 @@ CONFIGS: dict[str, dict] = {
     "dresd_k8": _ours("DReSDProposer", 8),
     "dresd_alone_k8": _ours("DReSDProposer", 8, use_context=False),
     "dresd_tree_k16": _ours("DReSDProposer", 16, tree=True),
+    # Hybrid: REST's sources and the dense neighbours in one trie, each source calibrated on its own.
+    "hybrid_k32": _ours("HybridProposer", 32),
+    "hybrid_tree_k32": _ours("HybridProposer", 32, tree=True),
     # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
     "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
     # In-distribution stores: the model's own answers to standard-library prompts, built by the

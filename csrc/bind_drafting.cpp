@@ -386,14 +386,14 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows, const vrs::RestParams& prm,
                        std::optional<GivenTokens> dense_tokens, std::optional<TokenMatrix<Cpu>> dense_lengths,
-                       std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
+                       std::optional<ConstVector<Cpu>> dense_match_len, std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
                        bool profile, int num_threads, vrs::SelectionCache* store_cache) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
   const size_t num_rows = rows.shape(0);
-  const RestInputs inputs{GivenInput("dense", dense_tokens, dense_lengths, std::nullopt, num_rows),
+  const RestInputs inputs{GivenInput("dense", dense_tokens, dense_lengths, dense_match_len, num_rows),
                           GivenInput("live", live_tokens, live_lengths, live_match_len, num_rows),
                           chance_table_of(chance_table, length_bucket, depth_bucket)};
   RestArrays out(num_rows, prm, profile);
@@ -491,7 +491,8 @@ void bind_rest(nb::module_& m) {
         "separator or -1) of a uint16/uint32 token array (GIL released).");
   m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
         nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("dense_tokens").none() = nb::none(),
-        nb::arg("dense_lengths").none() = nb::none(), nb::arg("live_tokens").none() = nb::none(),
+        nb::arg("dense_lengths").none() = nb::none(), nb::arg("dense_match_len").none() = nb::none(),
+        nb::arg("live_tokens").none() = nb::none(),
         nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,

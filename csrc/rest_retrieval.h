@@ -173,7 +173,7 @@ constexpr int kMatchInfo = 6;
 
 // Each source's match length for one request (a node takes the longest of its sources').
 struct MatchLengths {
-  int datastore = 0, context = 0, output = 0, live = 0;
+  int datastore = 0, context = 0, output = 0, live = 0, dense = 0;
 
   int of(int8_t flags) const {
     int longest = 0;
@@ -181,6 +181,7 @@ struct MatchLengths {
     if (flags & kFromContext) longest = std::max(longest, context);
     if (flags & kFromOutput) longest = std::max(longest, output);
     if (flags & kFromLive) longest = std::max(longest, live);
+    if (flags & kFromDense) longest = std::max(longest, dense);
     return longest;
   }
 };
@@ -607,7 +608,8 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
   }
   auto t3 = clock::now();
   const int live_len = extras.live != nullptr && prm.live_weight > 0 ? extras.live->match_len : 0;
-  trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len});
+  const int dense_len = extras.dense != nullptr && prm.dense_weight > 0 ? extras.dense->match_len : 0;
+  trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len, dense_len});
   if (out.tree_size != nullptr)
     *out.tree_size = trie.select_tree(
         prm.top_k, {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});

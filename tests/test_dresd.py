@@ -1,5 +1,5 @@
 """DReSD: the hidden state that produced each row's last sampled token (chain and tree mode), and
-DReSDProposer in the real engine: lossless, drafting from its dense neighbours."""
+DReSDProposer and HybridProposer in the real engine: lossless, drafting from dense neighbours."""
 
 from __future__ import annotations
 
@@ -82,6 +82,26 @@ def test_dresd_is_lossless_and_drafts_from_its_neighbours(tree, model_dir, dense
     assert sum(count for source, count in drafter.stats.draft_tokens_by_source.items() if "dense" in source) > 0
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_dir, dense_store, code_store,
+                                                                     e2e_prompts, baseline_runs):
+    """HybridProposer: REST's datastore and context with the dense neighbours in one trie, under
+    the goodput budget (budget auto, which calibrates and ranks every source on its own)."""
+    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "tree": tree}
+    spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.HybridProposer",
+                                  "num_speculative_tokens": 16 if tree else 8},
+                      {"retrieval_spec": options}, max_num_seqs=8)
+    with running_engine(spec) as llm:
+        runs = generate_both_ways(llm, e2e_prompts)
+        drafter = drafter_of(llm)
+    for mode, run in runs.items():
+        assert_same_token_ids(baseline_runs[mode], run)
+        assert run.counters.accepted_tokens > 0, mode
+    assert drafter.stats.failures == 0, drafter.stats.last_error
+    assert drafter.stats.rows > 0
+    assert drafter.last_drafts.agreeing is not None
+
+
 def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_store, e2e_prompts):
     """At every drafting call, the state given for a row is the one a plain transformers forward
     of the row's tokens gives at the position that produced its last token."""
@@ -90,15 +110,15 @@ def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_
                       {"retrieval_spec": {"dense_datastore": str(dense_store), "budget": "fixed"}}, max_num_seqs=4)
     with running_engine(spec) as llm:
         drafter = drafter_of(llm)
-        search = drafter.neighbour_continuations
+        search = drafter.dense.continuations
 
-        def recording(batch):
+        def recording(batch, session):
             states = drafter.session.step_hidden_states[batch.rows].float().cpu().numpy()
             seen.extend((batch.token_ids[row, :batch.num_tokens[row]].copy(), state.copy())
                         for row, state in zip(batch.rows, states))
-            return search(batch)
+            return search(batch, session)
 
-        drafter.neighbour_continuations = recording
+        drafter.dense.continuations = recording
         generate(llm, e2e_prompts[:4], 24, concurrency=4)
     assert len(seen) >= 16
     model = load_target_model(model_dir)

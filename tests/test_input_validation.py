@@ -33,6 +33,7 @@ from vllm_retrieval_spec.storage import MANIFEST, atomic_directory, sha256_of_fi
 from vrs_artifacts import write_dense_store
 
 DRESD = json.dumps({"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 4})
+HYBRID = json.dumps({"model": "vllm_retrieval_spec.HybridProposer", "num_speculative_tokens": 4})
 USER_FILES = {"photo.jpg": b"\xff\xd8\xff my holiday", "thesis.tex": b"\\chapter{Five years of work}"}
 
 
@@ -187,6 +188,13 @@ def test_a_bad_dense_manifest_is_one_line_in_inspect_and_serve(model_dir, tmp_pa
     config = json.dumps({"retrieval_spec": {"dense_datastore": str(dense)}})
     error_line(run_cli("serve", model_dir, "--speculative-config", DRESD, "--additional-config", config),
                dense / MANIFEST, message)
+
+
+def test_hybrid_serve_checks_its_dense_store_after_its_datastore(model_dir, store, tmp_path):
+    dense = edit_manifest(write_dense_store(tmp_path / "dense"), lambda m: m["index"].update(nprobe=4))
+    config = json.dumps({"retrieval_spec": {"datastore": str(store), "dense_datastore": str(dense)}})
+    error_line(run_cli("serve", model_dir, "--speculative-config", HYBRID, "--additional-config", config),
+               dense / MANIFEST, "index type 'flat' takes no 'index.nprobe', which is 4")
 
 
 @pytest.mark.parametrize(("changes", "emptied", "message"), [

@@ -66,18 +66,19 @@ def pack_dense(dense):
     return tokens, lengths
 
 
-def pack_live(live, live_match_len):
-    """Per-row live continuations (and match lengths) as the kernel's ``live`` argument."""
-    packed = pack_dense(live)
-    return packed if packed is None or live_match_len is None else (*packed, np.array(live_match_len, np.int32))
+def pack_given(given, match_len):
+    """Per-row given continuations (and match lengths) as the kernel's ``dense`` or ``live`` argument."""
+    packed = pack_dense(given)
+    return packed if packed is None or match_len is None else (*packed, np.array(match_len, np.int32))
 
 
 def kernel_results(store, contexts, params, num_threads=0, output=None, dense=None, live=None, live_match_len=None,
-                   chances=None):
+                   chances=None, dense_match_len=None):
     tokens, lengths = pack(contexts)
     out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads,
-                        output_index=None if output is None else output.native, dense=pack_dense(dense),
-                        live=pack_live(live, live_match_len), chances=chances)
+                        output_index=None if output is None else output.native,
+                        dense=pack_given(dense, dense_match_len), live=pack_given(live, live_match_len),
+                        chances=chances)
     results = []
     for i in range(len(contexts)):
         tree_size, chain_size = int(out.tree_size[i]), int(out.chain_size[i])
@@ -90,10 +91,10 @@ def kernel_results(store, contexts, params, num_threads=0, output=None, dense=No
 
 
 def reference_results(store, contexts, params, output=None, dense=None, live=None, live_match_len=None,
-                      chances=None):
+                      chances=None, dense_match_len=None):
     return rest_retrieve_reference(
         None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params,
-        None if output is None else output.tokens, SEPARATOR, dense, live, live_match_len, chances,
+        None if output is None else output.tokens, SEPARATOR, dense, live, live_match_len, chances, dense_match_len,
     )
 
 
@@ -303,9 +304,11 @@ def test_calibrated_selection_matches_the_reference(documents, contexts, params,
     live_match_len = data.draw(st.none() | st.lists(st.integers(0, 40), min_size=rows, max_size=rows))
     dense = data.draw(st.none() | st.lists(st.lists(st.lists(st.integers(0, 4), max_size=9), max_size=3),
                                            min_size=rows, max_size=rows))
+    dense_match_len = data.draw(st.none() | st.lists(st.integers(0, 32), min_size=rows, max_size=rows))
     chances = (learned_chance_table if learned else random_chance_table)(table_seed)
-    got = kernel_results(store, contexts, params, 0, output, dense, live, live_match_len, chances)
-    assert got == reference_results(store, contexts, params, output, dense, live, live_match_len, chances)
+    got = kernel_results(store, contexts, params, 0, output, dense, live, live_match_len, chances, dense_match_len)
+    assert got == reference_results(store, contexts, params, output, dense, live, live_match_len, chances,
+                                    dense_match_len)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
 

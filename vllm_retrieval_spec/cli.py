@@ -130,9 +130,10 @@ def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptio
     one fails now, naming its path."""
     proposer = registered_proposer(_speculative_config(vllm_args).get("model"))
     model = _flag_value(vllm_args, "--model") or next(iter(vllm_args[:1]), None)
-    if model is None or model.startswith("-") or proposer is None or proposer.store_option is None:
+    if model is None or model.startswith("-") or proposer is None:
         return
-    _open_store(proposer.store_option, options, model, _flag_value(vllm_args, "--tokenizer") or model)
+    for store_option in proposer.store_options:
+        _open_store(store_option, options, model, _flag_value(vllm_args, "--tokenizer") or model)
 
 
 def _open_store(store_option: str, options: RetrievalSpecOptions, model: str, tokenizer: str) -> None:

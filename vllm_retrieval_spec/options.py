@@ -173,14 +173,14 @@ class RetrievalSpecOptions:
     )
     dense_datastore: str = _option(
         "python-code-dense", _non_empty_string,
-        "DReSD: a dense datastore directory, or the name of a dense recipe in datastores/ built into the cache",
+        "DReSD, Hybrid: a dense datastore directory, or the name of a dense recipe in datastores/ built into the cache",
     )
     dense_neighbours: int = _option(
-        32, _int_in(1, 1024), "DReSD: nearest neighbours of the hidden state searched per request and step"
+        32, _int_in(1, 1024), "DReSD, Hybrid: nearest neighbours of the hidden state searched per request and step"
     )
     dense_weight: float = _option(
         1.0, _float_in(0.0, 1e6),
-        "DReSD: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",
+        "DReSD, Hybrid: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",
     )
     tree: bool = _option(
         False, _bool,

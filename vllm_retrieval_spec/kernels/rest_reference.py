@@ -141,11 +141,11 @@ def rest_retrieve_reference(
     output_tokens: np.ndarray | None = None, output_separator: int = 0,
     dense: Sequence[Sequence[Sequence[int]]] | None = None,
     live: Sequence[Sequence[Sequence[int]]] | None = None, live_match_len: Sequence[int] | None = None,
-    chances: ChanceTable | None = None,
+    chances: ChanceTable | None = None, dense_match_len: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort;
-    ``dense[i]`` / ``live[i]``: row i's given dense / live continuations (``live_match_len[i]``
-    their match length); ``chances``: rank by calibrated path chance."""
+    ``dense[i]`` / ``live[i]``: row i's given dense / live continuations (``dense_match_len[i]`` /
+    ``live_match_len[i]`` their match length); ``chances``: rank by calibrated path chance."""
     results = []
     for row, context in enumerate(contexts):
         ctx = [int(t) for t in context]
@@ -171,9 +171,9 @@ def rest_retrieve_reference(
             ctx_len, continuations = _context_continuations(ctx, params)
             for continuation in continuations:
                 trie.insert(continuation, "context")
-        live_known = live is not None and live_match_len is not None and params.live_weight > 0
-        live_len = int(live_match_len[row]) if live_known else 0
-        trie.score({SOURCE_DATASTORE: ds_len, SOURCE_CONTEXT: ctx_len, SOURCE_OUTPUT: out_len, SOURCE_LIVE: live_len})
+        live_len = _given_match_len(live, live_match_len, params.live_weight, row)
+        trie.score({SOURCE_DATASTORE: ds_len, SOURCE_CONTEXT: ctx_len, SOURCE_OUTPUT: out_len, SOURCE_LIVE: live_len,
+                    SOURCE_DENSE: _given_match_len(dense, dense_match_len, params.dense_weight, row)})
         tree, chain = trie.tree(params.top_k), trie.chain(params.chain_len, params.min_ratio)
         results.append({
             "tree": (trie.tokens(tree), trie.parents(tree)),
@@ -217,3 +217,8 @@ def _context_continuations(ctx, params):
         if positions:
             return q, [ctx[p + q:p + q + params.continuation_len] for p in positions]
     return 0, []
+
+
+def _given_match_len(given: object, match_len: Sequence[int] | None, weight: float, row: int) -> int:
+    """Row ``row``'s match length of a given source (0 when it is absent, unknown or weighs nothing)."""
+    return int(match_len[row]) if given is not None and match_len is not None and weight > 0 else 0

@@ -11,12 +11,12 @@ PACKAGE = "vllm_retrieval_spec"
 
 @dataclass(frozen=True)
 class RegisteredProposer:
-    """A proposer class, the module defining it and the option naming the store it opens at
-    start (checked before serving; None: it opens none)."""
+    """A proposer class, the module defining it and the options naming the stores it opens at
+    start (checked before serving)."""
 
     name: str
     module: str
-    store_option: str | None = None
+    store_options: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -28,9 +28,10 @@ PROPOSERS = {
     proposer.name: proposer
     for proposer in (
         RegisteredProposer("PromptLookupProposer", f"{PACKAGE}.proposers.prompt_lookup"),
-        RegisteredProposer("RestProposer", f"{PACKAGE}.proposers.rest", "datastore"),
-        RegisteredProposer("DReSDProposer", f"{PACKAGE}.proposers.dresd", "dense_datastore"),
-        RegisteredProposer("NGrammysProposer", f"{PACKAGE}.proposers.ngrammys", "ngram_table"),
+        RegisteredProposer("RestProposer", f"{PACKAGE}.proposers.rest", ("datastore",)),
+        RegisteredProposer("DReSDProposer", f"{PACKAGE}.proposers.dresd", ("dense_datastore",)),
+        RegisteredProposer("HybridProposer", f"{PACKAGE}.proposers.hybrid", ("datastore", "dense_datastore")),
+        RegisteredProposer("NGrammysProposer", f"{PACKAGE}.proposers.ngrammys", ("ngram_table",)),
     )
 }
 

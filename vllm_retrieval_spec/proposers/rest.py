@@ -45,16 +45,22 @@ class RestProposer(DraftProposer):
         return self.options.use_live_index and self.num_speculative_tokens > 1
 
     def draft(self, batch: DraftBatch) -> RestDrafts:
+        self.last_drafts = self.retrieve(batch)
+        return self.last_drafts
+
+    def retrieve(self, batch: DraftBatch, dense: tuple[np.ndarray, ...] | None = None) -> RestDrafts:
+        """The kernel's drafts for ``batch`` from every configured source, plus ``dense``
+        continuations found elsewhere (``rest_retrieve``'s argument)."""
         output_index = self.session.output_index if self.session is not None else None
-        self.last_drafts = rest_retrieve(
+        return rest_retrieve(
             None if self.datastore is None else self.datastore.current(), batch.token_ids, batch.num_tokens,
             batch.rows, self.params,
             output_index=None if output_index is None else output_index.native,
+            dense=dense,
             live=self._live_matches(batch),
             chances=self._chances(),
             num_threads=self.options.num_threads,
         )
-        return self.last_drafts
 
     def _chances(self) -> ChanceTable | None:
         """The goodput budget's calibrated chance table (None without a budget: rank by weight)."""

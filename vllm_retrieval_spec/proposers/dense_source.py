@@ -1,0 +1,75 @@
+"""The dense (DReSD) source shared by ``DReSDProposer`` and ``HybridProposer``: the dense
+datastore opened for the target model, searched with the hidden state that produced each row's
+last sampled token, its neighbours' continuations handed to REST's trie."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from vllm.logger import init_logger
+
+from vllm_retrieval_spec.datastores.dense import DenseDatastore, open_dense_datastore_for_model
+from vllm_retrieval_spec.drafts import SOURCE_DENSE
+from vllm_retrieval_spec.kernels.rest import RestDrafts
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_retrieval_spec.options import RetrievalSpecOptions
+    from vllm_retrieval_spec.proposers.base import DraftBatch, DraftSession
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class DenseDrafts(RestDrafts):
+    """REST's trie output plus, per row, how many neighbours agreed with the sampled token (the
+    dense source's evidence, in place of a match length)."""
+
+    agreeing: np.ndarray | None = None
+
+    def row_match_len(self) -> dict[int, np.ndarray]:
+        lengths = super().row_match_len()
+        if self.agreeing is not None:
+            lengths[SOURCE_DENSE] = self.agreeing
+        return lengths
+
+    @classmethod
+    def of(cls, drafts: RestDrafts, found: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DenseDrafts:
+        """``drafts`` with the agreeing counts of what :meth:`DenseSource.continuations` ``found``."""
+        return cls(**vars(drafts), agreeing=found[2])
+
+
+class DenseSource:
+    """The dense datastore of ``options.dense_datastore``, opened for the target model (on the
+    runner's GPU when faiss-gpu is installed), warmed up and checked in the background."""
+
+    def __init__(self, options: RetrievalSpecOptions, vllm_config: VllmConfig, owner: str) -> None:
+        self.neighbours = options.dense_neighbours
+        self.store: DenseDatastore = open_dense_datastore_for_model(options.dense_datastore,
+                                                                    vllm_config.model_config.model)
+        self._place_index(vllm_config, owner)
+        self.store.warm_up(self.neighbours)
+        self.store.verify_in_background()  # a changed file stops searching it, logged
+
+    def _place_index(self, vllm_config: VllmConfig, owner: str) -> None:
+        """The FAISS index on the runner's GPU when faiss-gpu is installed (CPU otherwise)."""
+        device = vllm_config.device_config.device
+        if getattr(device, "type", str(device)) != "cuda":
+            return
+        index = device.index if getattr(device, "index", None) is not None else 0
+        where = f"GPU {index}" if self.store.use_gpu(index) else "the CPU (install faiss-gpu for GPU search)"
+        logger.info("%s: searching %s on %s", owner, self.store.path, where)
+
+    def continuations(self, batch: DraftBatch, session: DraftSession) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``rest_retrieve``'s ``dense`` argument: the stored continuations after the sampled token
+        (``[rows, k, N - 1]``), their lengths (``N - 1`` where the neighbour predicted the sampled
+        token, else 0) and, as the source's match length, how many neighbours did (``[rows]``)."""
+        hidden = session.step_hidden_states[batch.rows].float().cpu().numpy()
+        _, values = self.store.search(hidden, self.neighbours)
+        last = batch.token_ids[batch.rows, batch.num_tokens[batch.rows] - 1]
+        agree = values[:, :, 0] == last[:, None]
+        return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),
+                np.count_nonzero(agree, axis=1).astype(np.int32))
