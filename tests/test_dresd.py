@@ -87,7 +87,8 @@ def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_
                                                                      e2e_prompts, baseline_runs):
     """HybridProposer: REST's datastore and context with the dense neighbours in one trie, under
     the goodput budget (budget auto, which calibrates and ranks every source on its own)."""
-    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "tree": tree}
+    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "tree": tree,
+               "dense_learned_positions": 4096}
     spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.HybridProposer",
                                   "num_speculative_tokens": 16 if tree else 8},
                       {"retrieval_spec": options}, max_num_seqs=8)
@@ -100,17 +101,25 @@ def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_
     assert drafter.stats.failures == 0, drafter.stats.last_error
     assert drafter.stats.rows > 0
     assert drafter.last_drafts.agreeing is not None
+    learned = drafter.session.learned_dense
+    assert learned.num_positions > 0  # the first run's requests taught it (vLLM reports the last ones a step later)
 
 
-def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_store, e2e_prompts):
+def test_the_proposer_and_the_learned_index_see_the_hidden_state_of_a_plain_forward(model_dir, dense_store,
+                                                                                     e2e_prompts):
     """At every drafting call, the state given for a row is the one a plain transformers forward
-    of the row's tokens gives at the position that produced its last token."""
+    of the row's tokens gives at the position that produced its last token; the learned index
+    keeps that state's key with the tokens the request went on to generate."""
     seen: list[tuple[np.ndarray, np.ndarray]] = []
+    recorded: list[tuple[str, int, np.ndarray]] = []
+    finished: dict[str, np.ndarray] = {}
+    options = {"dense_datastore": str(dense_store), "budget": "fixed", "dense_learned_positions": 65_536}
     spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 8},
-                      {"retrieval_spec": {"dense_datastore": str(dense_store), "budget": "fixed"}}, max_num_seqs=4)
+                      {"retrieval_spec": options}, max_num_seqs=4)
     with running_engine(spec) as llm:
         drafter = drafter_of(llm)
-        search = drafter.dense.continuations
+        search, learned = drafter.dense.continuations, drafter.session.learned_dense
+        record, finish = learned.record, learned.finish
 
         def recording(batch, session):
             states = drafter.session.step_hidden_states[batch.rows].float().cpu().numpy()
@@ -118,7 +127,15 @@ def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_
                         for row, state in zip(batch.rows, states))
             return search(batch, session)
 
-        drafter.dense.continuations = recording
+        def recording_keys(owners, positions, keys):
+            recorded.extend(zip(owners, positions.tolist(), keys.copy()))
+            record(owners, positions, keys)
+
+        def finishing(tokens):
+            finished.update({owner: ids.copy() for owner, ids in tokens.items()})
+            finish(tokens)
+
+        drafter.dense.continuations, learned.record, learned.finish = recording, recording_keys, finishing
         generate(llm, e2e_prompts[:4], 24, concurrency=4)
     assert len(seen) >= 16
     model = load_target_model(model_dir)
@@ -126,3 +143,13 @@ def test_the_proposer_sees_the_hidden_state_of_a_plain_forward(model_dir, dense_
         with torch.inference_mode():
             expected = last_hidden_states(model, torch.tensor([ids.tolist()]))[0, len(ids) - 2]
         torch.testing.assert_close(torch.from_numpy(state), expected, rtol=1e-3, atol=2e-3)
+    value_tokens = drafter.dense.store.value_tokens
+    learnable = [(finished[owner], p, key) for owner, p, key in recorded
+                 if owner in finished and p + value_tokens <= len(finished[owner])]
+    assert learned.num_positions == len(learnable) > 0
+    for ids, position, key in learnable[::max(1, len(learnable) // 12)]:
+        with torch.inference_mode():
+            state = last_hidden_states(model, torch.tensor([ids[:position + 1].tolist()]))[0, position - 1]
+        np.testing.assert_allclose(key, drafter.dense.store.keys_of(state.numpy()[None])[0], rtol=1e-3, atol=2e-3)
+        _, values = learned.search(key[None], 4)
+        assert ids[position:position + value_tokens].tolist() in values[0].tolist()

@@ -182,6 +182,15 @@ class RetrievalSpecOptions:
         1.0, _float_in(0.0, 1e6),
         "DReSD, Hybrid: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",
     )
+    dense_learned_positions: int = _option(
+        0, _int_in(0, 2**26),
+        "DReSD, Hybrid: also learn a dense index from served traffic (the key of each drafted-for position and "
+        "the tokens that followed it, once its request finishes), keeping at most this many positions in memory "
+        "(oldest evicted first; dim x 4 + value_tokens x 4 bytes each); 0: off",
+    )
+    dense_learned_neighbours: int = _option(
+        8, _int_in(1, 1024), "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index"
+    )
     tree: bool = _option(
         False, _bool,
         "REST, N-Grammys: draft trees of up to num_speculative_tokens nodes, verified as trees "

@@ -143,14 +143,22 @@ class DenseDatastore(VerifiedInBackground):
         in one FAISS call: scores ``[B, k]`` float32 (best first) and value rows ``[B, k, N]``
         int32. Slots without a neighbour (an IVF probe found fewer than ``k``, or the store is
         no longer ``usable``) score :data:`MISSING_SCORE` with values -1."""
+        return self.search_by_keys(self.keys_of(hidden_states), k)
+
+    def keys_of(self, hidden_states: np.ndarray) -> np.ndarray:
+        """The keys ``[B, dim]`` of hidden states ``[B, H]`` (this store's transform)."""
         states = np.asarray(hidden_states)
         if states.ndim != 2 or states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [batch, {self.hidden_size}], got {list(states.shape)}")
+        return self.transform.apply(states)
+
+    def search_by_keys(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` for keys already transformed (:meth:`keys_of`)."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         if not self.usable:
-            return self._nothing_found(len(states), k)
-        scores, labels = self.search_keys(self.transform.apply(states), k)
+            return self._nothing_found(len(keys), k)
+        scores, labels = self.search_keys(keys, k)
         found = (labels >= 0) & (labels < self.num_positions)  # a damaged index may hold any label
         values = np.asarray(self.values[np.where(found, labels, 0)])
         if not found.all():

@@ -15,7 +15,7 @@ import builtins
 import functools
 import importlib.metadata
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -268,7 +268,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         keep_output_index(runner, options, output_index, None if budget is None else budget.calibration)
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index,
-                          live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None)
+                          live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None,
+                          learned_dense=drafter.learned_dense_index())
     drafter.bind_session(session)
     attach_metrics(runner, drafter, session)
     runner.vrs_session = session
@@ -277,7 +278,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         def _update_states(scheduler_output, *args, **kwargs):
             finished = scheduler_output.finished_req_ids
             if finished:
-                session.release(finished, _finished_tokens(runner, finished) if session.output_index else ())
+                session.release(finished, _finished_tokens(runner, finished) if session.learns_from_finished_tokens()
+                                else None)
             return original(scheduler_output, *args, **kwargs)
 
         return _update_states
@@ -341,13 +343,12 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
     return snapshots
 
 
-def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> Iterator[np.ndarray]:
-    """The tokens (prompt and output) of the finished requests still in the input batch."""
+def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> dict[str, np.ndarray]:
+    """The tokens (prompt and output) of the finished requests still in the input batch, by id."""
     batch = runner.input_batch
-    for req_id in req_ids:
-        row = batch.req_id_to_index.get(req_id)
-        if row is not None:
-            yield batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]]
+    rows = {req_id: batch.req_id_to_index.get(req_id) for req_id in req_ids}
+    return {req_id: batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]]
+            for req_id, row in rows.items() if row is not None}
 
 
 def generators_have_offsets(device: torch.device) -> bool:

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
 
+    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
+
 logger = init_logger(__name__)
 
 CANDIDATE_SEED = 0x5EED  # drafting's own random stream: the same on every tensor-parallel rank
@@ -49,6 +51,7 @@ class DraftSession(Protocol):
     step_req_ids: list[str]  # the request id of every input-batch row this step
     budget: GoodputBudget | None  # the goodput budget (``budget: auto``), else None
     output_index: OutputIndex | None  # the cross-request output index, when uses_output_index()
+    learned_dense: LearnedDenseIndex | None  # the dense index learned from served traffic, when we gave one
     step_hidden_states: torch.Tensor | None  # [rows, hidden] this step, when needs_hidden_states()
     step_samples: np.ndarray | None  # [rows] bool this step: the row's request samples (temperature > 0)
 
@@ -160,6 +163,11 @@ class DraftProposer(abc.ABC):
         """Whether the runner's session should keep the target's last hidden state of every
         row for us (``session.step_hidden_states``)."""
         return False
+
+    def learned_dense_index(self) -> LearnedDenseIndex | None:
+        """A new dense index for the runner's session to learn from served traffic (dense
+        proposers with ``dense_learned_positions``), else None."""
+        return None
 
     def candidate_tree_size(self) -> int:
         """Nodes of the candidate trees the drafter builds: ``top_k`` to draw sampled candidates

@@ -11,6 +11,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 from vllm_retrieval_spec.datastores.dense import DenseDatastore, open_dense_datastore_for_model
+from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 from vllm_retrieval_spec.drafts import SOURCE_DENSE
 from vllm_retrieval_spec.kernels.rest import RestDrafts
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from vllm_retrieval_spec.proposers.base import DraftBatch, DraftSession
 
 logger = init_logger(__name__)
+
+LEARNED_PENDING_KEYS = 16_384  # keys of running requests the learned index keeps waiting at most
 
 
 @dataclass
@@ -48,11 +51,21 @@ class DenseSource:
 
     def __init__(self, options: RetrievalSpecOptions, vllm_config: VllmConfig, owner: str) -> None:
         self.neighbours = options.dense_neighbours
+        self.learned_neighbours = options.dense_learned_neighbours
+        self.learned_positions = options.dense_learned_positions
         self.store: DenseDatastore = open_dense_datastore_for_model(options.dense_datastore,
                                                                     vllm_config.model_config.model)
         self._place_index(vllm_config, owner)
         self.store.warm_up(self.neighbours)
         self.store.verify_in_background()  # a changed file stops searching it, logged
+
+    def learned_index(self) -> LearnedDenseIndex | None:
+        """A new index learned from served traffic in this store's keys (the session owns it),
+        or None when ``dense_learned_positions`` is 0."""
+        if not self.learned_positions:
+            return None
+        return LearnedDenseIndex(self.store.manifest.dim, self.store.value_tokens, self.learned_positions,
+                                 pending_capacity=min(self.learned_positions, LEARNED_PENDING_KEYS))
 
     def _place_index(self, vllm_config: VllmConfig, owner: str) -> None:
         """The FAISS index on the runner's GPU when faiss-gpu is installed (CPU otherwise)."""
@@ -64,11 +77,19 @@ class DenseSource:
         logger.info("%s: searching %s on %s", owner, self.store.path, where)
 
     def continuations(self, batch: DraftBatch, session: DraftSession) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``rest_retrieve``'s ``dense`` argument: the stored continuations after the sampled token
-        (``[rows, k, N - 1]``), their lengths (``N - 1`` where the neighbour predicted the sampled
-        token, else 0) and, as the source's match length, how many neighbours did (``[rows]``)."""
-        hidden = session.step_hidden_states[batch.rows].float().cpu().numpy()
-        _, values = self.store.search(hidden, self.neighbours)
+        """``rest_retrieve``'s ``dense`` argument: the continuations after the sampled token
+        (``[rows, k, N - 1]``) of the store's neighbours and then the session's learned index's
+        (which learns this step's keys), their lengths (``N - 1`` where the neighbour predicted the
+        sampled token, else 0) and, as the source's match length, how many neighbours did
+        (``[rows]``)."""
+        keys = self.store.keys_of(session.step_hidden_states[batch.rows].float().cpu().numpy())
+        _, values = self.store.search_by_keys(keys, self.neighbours)
+        learned = session.learned_dense
+        if learned is not None:
+            _, learned_values = learned.search(keys, self.learned_neighbours)
+            values = np.concatenate([values, learned_values], axis=1)
+            req_ids = session.step_req_ids
+            learned.record([req_ids[row] for row in batch.rows.tolist()], batch.num_tokens[batch.rows] - 1, keys)
         last = batch.token_ids[batch.rows, batch.num_tokens[batch.rows] - 1]
         agree = values[:, :, 0] == last[:, None]
         return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),

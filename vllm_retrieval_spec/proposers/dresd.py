@@ -11,6 +11,8 @@ from vllm_retrieval_spec.proposers.dense_source import DenseDrafts, DenseSource
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
+
 
 class DReSDProposer(DraftProposer):
     """Per step and request: the hidden state that produced the last sampled token, z-normalised,
@@ -29,6 +31,9 @@ class DReSDProposer(DraftProposer):
 
     def needs_hidden_states(self) -> bool:
         return True
+
+    def learned_dense_index(self) -> LearnedDenseIndex | None:
+        return self.dense.learned_index()
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)

@@ -11,6 +11,8 @@ from vllm_retrieval_spec.proposers.rest import RestProposer
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
+
 
 class HybridProposer(RestProposer):
     """``RestProposer`` (datastore, context, output index, live index) with the dense datastore's
@@ -26,6 +28,9 @@ class HybridProposer(RestProposer):
 
     def needs_hidden_states(self) -> bool:
         return True
+
+    def learned_dense_index(self) -> LearnedDenseIndex | None:
+        return self.dense.learned_index()
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)

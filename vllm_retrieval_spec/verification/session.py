@@ -13,6 +13,9 @@ drafter, and owns everything that lives between drafting and verification:
 - the cross-request :class:`~vllm_retrieval_spec.datastores.live_index.LiveIndex` of the
   requests still in flight (REST with ``use_live_index``), brought up to date when a step
   drafts and rid of each request as it finishes or is aborted;
+- the :class:`~vllm_retrieval_spec.datastores.learned_dense.LearnedDenseIndex` a dense proposer
+  gives it (``dense_learned_positions``): keys recorded as rows are drafted for, learned when
+  their request finishes, dropped when it is aborted;
 - with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
   model learns from the time between consecutive drafting calls (drafting itself excluded)
   and the tokens the step in between scheduled;
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from vllm_retrieval_spec.candidates import DraftQ
+from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 from vllm_retrieval_spec.datastores.live_index import LiveIndex, LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
@@ -101,6 +105,7 @@ class SpecSession:
     budget: GoodputBudget | None = None
     output_index: OutputIndex | None = None
     live_index: LiveIndex | None = None
+    learned_dense: LearnedDenseIndex | None = None
     metrics: StepMetrics | None = None
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
@@ -175,13 +180,22 @@ class SpecSession:
             state = self.requests.setdefault(self.step_req_ids[row], RequestState())
             state.tree, state.draft_q, state.tree_step = tree, draft_q.get(row), self.step
 
-    def release(self, req_ids: Iterable[str], tokens: Iterable[np.ndarray] = ()) -> None:
-        """Forget finished or aborted requests; their ``tokens`` (prompt and output, one array
-        per request still in the input batch) go to the output index."""
+    def learns_from_finished_tokens(self) -> bool:
+        """Whether :meth:`release` wants the finished requests' tokens."""
+        return self.output_index is not None or self.learned_dense is not None
+
+    def release(self, req_ids: Iterable[str], tokens: Mapping[str, np.ndarray] | None = None) -> None:
+        """Forget finished or aborted requests; their ``tokens`` (prompt and output, by request
+        id, of those still in the input batch) go to the output index and the learned dense
+        index."""
+        tokens = tokens or {}
         if self.output_index is not None:
-            for sequence in tokens:
+            for sequence in tokens.values():
                 self.output_index.add(sequence)
         req_ids = list(req_ids)
+        if self.learned_dense is not None:
+            self.learned_dense.finish(tokens)
+            self.learned_dense.forget(req_ids)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
         if self.live_index is not None:
