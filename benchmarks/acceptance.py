@@ -139,6 +139,10 @@ CONFIGS: dict[str, dict] = {
     # Hybrid: REST's sources and the dense neighbours in one trie, each source calibrated on its own.
     "hybrid_k32": _ours("HybridProposer", 32),
     "hybrid_tree_k32": _ours("HybridProposer", 32, tree=True),
+    # ... and with the dense index learned from served traffic (DReSD's in-distribution store, grown while serving).
+    "hybrid_learned_k32": _ours("HybridProposer", 32, dense_learned_positions=65_536),
+    "dresd_k32": _ours("DReSDProposer", 32),
+    "dresd_learned_k32": _ours("DReSDProposer", 32, dense_learned_positions=65_536),
     # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
     "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
     # In-distribution stores: the model's own answers to standard-library prompts, built by the
