@@ -229,7 +229,8 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 
 def intervals(runs: list) -> dict:
     """95% intervals: the honest figure bootstrapped over requests (1,000 resamples, fixed seed);
-    tokens/s and the acceptance rate over the repeats (t interval; None with one run)."""
+    tokens/s and the acceptance rate over the repeats (t interval; None with one run); the
+    honest figure of each repeat (does a learning drafter get better as the prompts cycle?)."""
     generated = np.array([len(r.output_ids) for run in runs for r in run.records], dtype=float)
     steps = np.array([r.decode_steps for run in runs for r in run.records], dtype=float)
     picks = np.random.default_rng(0).integers(0, len(steps), (1000, len(steps)))
@@ -239,7 +240,9 @@ def intervals(runs: list) -> dict:
         "acceptance_rate": [run.counters.accepted_tokens / run.counters.draft_tokens
                             for run in runs if run.counters.draft_tokens],
     }
-    out = {"honest_ci95": np.quantile(honest, [0.025, 0.975]).tolist()}
+    out = {"honest_ci95": np.quantile(honest, [0.025, 0.975]).tolist(),
+           "honest_per_repeat": [sum(len(r.output_ids) - 1 for r in run.records)
+                                 / max(sum(r.decode_steps for r in run.records), 1) for run in runs]}
     for key, values in per_run.items():
         out[f"{key}_ci95"] = t_interval(values)
     return out
