@@ -188,6 +188,12 @@ class RetrievalSpecOptions:
         "the tokens that followed it, once its request finishes), keeping at most this many positions in memory "
         "(oldest evicted first; dim x 4 + value_tokens x 4 bytes each); 0: off",
     )
+    dense_learned_path: str = _option(
+        "", _string,
+        "DReSD, Hybrid: directory where the learned dense index is saved (every output_index_save_seconds when it "
+        "learned something, and at shutdown) and restored from at start; each snapshot is a dense datastore in the "
+        "serving store's key space; data-parallel engine i > 0 uses PATH.dp<i> (empty: not saved)",
+    )
     dense_learned_neighbours: int = _option(
         8, _int_in(1, 1024), "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index"
     )

@@ -27,6 +27,7 @@ from vllm_retrieval_spec.datastores.dense_format import (
     STD,
     VALUES,
     DenseManifest,
+    IndexSpec,
 )
 from vllm_retrieval_spec.datastores.dense_index import (
     FLAT_MAX_POSITIONS,
@@ -190,31 +191,42 @@ def build_dense_datastore(
         forward_start = time.perf_counter()
         transform, fit_info = compute_keys(model, corpus, windows, options, tmp / KEYS_SCRATCH, progress)
         forward_seconds = time.perf_counter() - forward_start
-        for name, array in ((MEAN, transform.mean), (STD, transform.std), (COMPONENTS, transform.components)):
-            np.ascontiguousarray(array, dtype=np.float32).tofile(tmp / name)
         spec = _write_index(tmp, windows.num_positions, options)
-        files = file_records(tmp, (VALUES, MEAN, STD, COMPONENTS, INDEX))
-        size = sum(record["bytes"] for record in files.values())
-        manifest = DenseManifest(
-            format_version=DENSE_FORMAT_VERSION,
-            num_positions=windows.num_positions,
-            value_tokens=options.value_tokens,
-            hidden_size=int(transform.mean.shape[0]),
-            dim=options.dim,
-            value_dtype="int32",
-            transform_dtype="float32",
-            model=identity,
-            index=spec,
-            transform=fit_info,
-            bytes_per_position=round(size / windows.num_positions, 2),
-            files=files,
-            build=_build_info(model_dir, inputs, options, corpus, stream, start, forward_seconds, windows,
-                              extra_build_info),
+        manifest = finish_dense_store(
+            tmp, transform, spec, windows.num_positions, options.value_tokens, identity, fit_info,
+            _build_info(model_dir, inputs, options, corpus, stream, start, forward_seconds, windows, extra_build_info),
         )
-        manifest.write(tmp)
     return DenseBuildReport(out_dir, manifest, len(corpus.tokens), corpus.num_documents,
-                            time.perf_counter() - start, forward_seconds, size, stream.files_read,
+                            time.perf_counter() - start, forward_seconds,
+                            sum(record["bytes"] for record in manifest.files.values()), stream.files_read,
                             stream.files_skipped)
+
+
+def finish_dense_store(directory: Path, transform: DenseTransform, spec: IndexSpec, num_positions: int,
+                       value_tokens: int, model: ModelIdentity, fit_info: dict[str, Any],
+                       build: dict[str, Any]) -> DenseManifest:
+    """Write the transform and the manifest of the dense datastore whose values and FAISS index
+    already lie in ``directory``; its manifest."""
+    for name, array in ((MEAN, transform.mean), (STD, transform.std), (COMPONENTS, transform.components)):
+        np.ascontiguousarray(array, dtype=np.float32).tofile(directory / name)
+    files = file_records(directory, (VALUES, MEAN, STD, COMPONENTS, INDEX))
+    manifest = DenseManifest(
+        format_version=DENSE_FORMAT_VERSION,
+        num_positions=num_positions,
+        value_tokens=value_tokens,
+        hidden_size=int(transform.mean.shape[0]),
+        dim=int(transform.components.shape[1]),
+        value_dtype="int32",
+        transform_dtype="float32",
+        model=model,
+        index=spec,
+        transform=fit_info,
+        bytes_per_position=round(sum(record["bytes"] for record in files.values()) / num_positions, 2),
+        files=files,
+        build=build,
+    )
+    manifest.write(directory)
+    return manifest
 
 
 def _write_index(directory: Path, num_positions: int, options: DenseBuildOptions) -> Any:

@@ -12,12 +12,17 @@ request leaves nothing behind.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm_retrieval_spec.datastores.dense import MISSING_SCORE
+
+if TYPE_CHECKING:
+    from vllm_retrieval_spec.datastores.dense import DenseDatastore
 
 
 @dataclass
@@ -55,10 +60,14 @@ class _Generation:
 class LearnedDenseIndex:
     """Keys of served positions and the tokens that followed them; see the module docstring."""
 
-    def __init__(self, dim: int, value_tokens: int, capacity: int, pending_capacity: int) -> None:
+    def __init__(self, dim: int, value_tokens: int, capacity: int, pending_capacity: int,
+                 key_store: DenseDatastore | None = None) -> None:
         if dim < 1 or value_tokens < 1 or capacity < 2 or pending_capacity < 1:
             raise ValueError("dim and value_tokens must be >= 1, capacity >= 2 and pending_capacity >= 1")
         self.dim, self.value_tokens = dim, value_tokens
+        self.key_store = key_store  # the dense datastore whose transform makes the keys (snapshots copy it)
+        self.additions = 0  # positions ever added (a snapshot is due when it moved)
+        self._lock = threading.Lock()  # adding against a snapshot's copy from another thread
         self._half = capacity // 2
         self._older = _Generation.empty(dim, 0, value_tokens)
         self._newer = _Generation.empty(dim, self._half, value_tokens)
@@ -80,13 +89,13 @@ class LearnedDenseIndex:
     def record(self, owners: Sequence[str], positions: np.ndarray, keys: np.ndarray) -> None:
         """Row ``i``'s key ``keys[i]`` (``[B, dim]``) predicted the token at ``positions[i]`` of
         request ``owners[i]``; it waits until that request finishes."""
-        count = len(owners)
-        if count == 0:
+        keep = min(len(owners), len(self._pending_owner))  # more than the ring holds: the newest
+        if keep == 0:
             return
-        slots = (self._cursor + np.arange(count)) % len(self._pending_owner)
-        self._pending_keys[slots] = keys
-        self._pending_positions[slots] = positions
-        self._pending_owner[slots] = list(owners)
+        slots = (self._cursor + np.arange(keep)) % len(self._pending_owner)
+        self._pending_keys[slots] = keys[-keep:]
+        self._pending_positions[slots] = positions[-keep:]
+        self._pending_owner[slots] = list(owners[-keep:])
         self._cursor = int(slots[-1] + 1) % len(self._pending_owner)
 
     def finish(self, finished: Mapping[str, np.ndarray]) -> None:
@@ -113,13 +122,32 @@ class LearnedDenseIndex:
 
     def _add(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Into the newer generation; when it is full, it becomes the older (the older dropped)."""
-        start = 0
-        while start < len(values):
-            if self._newer.room == 0:
-                self._older, self._newer = self._newer, _Generation.empty(self.dim, self._half, self.value_tokens)
-            stop = start + min(self._newer.room, len(values) - start)
-            self._newer.add(keys[start:stop], values[start:stop])
-            start = stop
+        with self._lock:
+            start = 0
+            while start < len(values):
+                if self._newer.room == 0:
+                    self._older, self._newer = self._newer, _Generation.empty(self.dim, self._half,
+                                                                              self.value_tokens)
+                stop = start + min(self._newer.room, len(values) - start)
+                self._newer.add(keys[start:stop], values[start:stop])
+                start = stop
+            self.additions += len(values)
+
+    def contents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of every kept position's key ``[n, dim]`` and value ``[n, N]``, oldest first."""
+        with self._lock:
+            kept = [g for g in (self._older, self._newer) if g.size]
+            keys = [g.index.reconstruct_n(0, g.size) for g in kept]
+            values = [g.values[: g.size].copy() for g in kept]
+        if not kept:
+            return np.zeros((0, self.dim), np.float32), np.zeros((0, self.value_tokens), np.int32)
+        return np.concatenate(keys), np.concatenate(values)
+
+    def restore(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add saved positions (oldest first; beyond the capacity the oldest are dropped) without
+        counting them as new."""
+        self._add(np.asarray(keys, np.float32), np.asarray(values, np.int32))
+        self.additions -= len(values)
 
     def search(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best-scoring positions of each key ``[B, dim]`` over both generations:

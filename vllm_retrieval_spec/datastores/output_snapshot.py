@@ -23,6 +23,7 @@ next save. :class:`OutputIndexSnapshots` loads at start and saves periodically a
 
 from __future__ import annotations
 
+import abc
 import atexit
 import logging
 import os
@@ -30,7 +31,8 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -147,14 +149,24 @@ def snapshot_dirs(path: Path) -> list[Path]:
     return [entry for _, entry in sorted(found)]
 
 
+@contextmanager
+def next_snapshot(path: Path, kind: ArtifactKind) -> Iterator[Path]:
+    """Yield the directory the next numbered snapshot under ``path`` is built in (atomically, see
+    :func:`~vllm_retrieval_spec.storage.atomic_directory`); once it is in place the older ones
+    are deleted, so a save killed at any point leaves the previous snapshot whole."""
+    older = snapshot_dirs(path)
+    number = int(_SNAPSHOT.fullmatch(older[-1].name)[1]) + 1 if older else 0
+    with atomic_directory(path / f"snapshot-{number:08d}", kind=kind) as building:
+        yield building
+    for directory in older:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: TokenizerIdentity,
                    capacity_tokens: int, calibration: np.ndarray | None = None) -> Path:
     """Save ``sequences`` (oldest first), and ``calibration`` counts when given, as the next
     snapshot under ``path`` and delete the older ones once it is in place; returns its directory."""
-    older = snapshot_dirs(path)
-    number = int(_SNAPSHOT.fullmatch(older[-1].name)[1]) + 1 if older else 0
-    target = path / f"snapshot-{number:08d}"
-    with atomic_directory(target, kind=OUTPUT_SNAPSHOT) as building:
+    with next_snapshot(path, OUTPUT_SNAPSHOT) as building:
         num_tokens = _write_tokens(building / TOKENS, sequences)
         names = [TOKENS]
         if calibration is not None:
@@ -167,9 +179,7 @@ def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: Token
             saved={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "capacity_tokens": capacity_tokens},
         ).write(building)
         _sync(building / "manifest.json")
-    for directory in older:
-        shutil.rmtree(directory, ignore_errors=True)
-    return target
+    return snapshot_dirs(path)[-1]
 
 
 def _write_tokens(file: Path, sequences: Sequence[np.ndarray]) -> int:
@@ -265,20 +275,13 @@ def _split(file: Path, tokens: np.ndarray, manifest: SnapshotManifest) -> list[n
     return [tokens[start:end] for start, end in zip(starts.tolist(), ends.tolist())]
 
 
-class OutputIndexSnapshots:
-    """An output index kept on disk, with the ``calibration`` counts when given: :meth:`start`
-    loads its snapshot (a refused one is logged and the index starts empty; refused counts are
-    logged and relearned) and, when ``writes``, saves it from a daemon thread every
-    ``interval_seconds`` when requests finished since the last save; :meth:`close` (also run at
-    interpreter exit) stops the thread and saves a last time. Saving never raises: a failed
-    save is logged and tried again at the next interval."""
+class PeriodicSaves(abc.ABC):
+    """Something kept on disk under ``path``: when ``writes``, :meth:`start_saving` calls
+    :meth:`save_if_changed` from a daemon thread every ``interval_seconds``; :meth:`close` (also
+    run at interpreter exit) stops the thread and saves a last time."""
 
-    def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
-                 *, writes: bool = True, calibration: SavedCounts | None = None) -> None:
-        self.index = index
-        self.calibration = calibration
+    def __init__(self, path: Path, interval_seconds: float, writes: bool) -> None:
         self.path = Path(path)
-        self.tokenizer = tokenizer
         self.interval_seconds = interval_seconds
         self.writes = writes
         self.saves = 0
@@ -288,48 +291,39 @@ class OutputIndexSnapshots:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def start(self) -> bool:
-        """Load the snapshot and start saving; True when a snapshot was loaded."""
-        loaded = self.index.load(self.path, self.tokenizer)
-        if loaded and self.calibration is not None:
-            self._restore_calibration(self.calibration)
-        self._saved_changes = self.index.stats.sequences_added
-        if self.writes:
-            self._thread = threading.Thread(target=self._save_periodically, daemon=True, name="vrs-output-snapshot")
-            self._thread.start()
-            atexit.register(self.close)
-        return loaded
+    noun = "snapshot"  # what is saved, for the log
+
+    @abc.abstractmethod
+    def changes(self) -> int:
+        """A count that moves whenever there is something new to save."""
+
+    @abc.abstractmethod
+    def save(self) -> None:
+        """Write the next snapshot under ``path``."""
 
     def save_if_changed(self) -> bool:
-        """Save when requests finished since the last save; True when a snapshot was written."""
+        """Save when :meth:`changes` moved since the last save; True when a snapshot was written.
+        Never raises: a failed save is logged (serving goes on) and tried again next time."""
         with self._save_lock:
-            changes = self.index.stats.sequences_added
+            changes = self.changes()
             if changes == self._saved_changes:
                 return False
             try:
-                counts = None if self.calibration is None else self.calibration.counts()
-                self.index.save(self.path, self.tokenizer, counts)
+                self.save()
             except Exception as error:  # disk full, permissions, something in the way: serving goes on
-                logger.error("vllm_retrieval_spec: saving the output index to %s failed (%s); serving goes on and "
-                             "the next save tries again", self.path, error)
+                logger.error("vllm_retrieval_spec: saving the %s to %s failed (%s); serving goes on and "
+                             "the next save tries again", self.noun, self.path, error)
                 return False
             self._saved_changes = changes
             self.saves += 1
             return True
 
-    def _restore_calibration(self, calibration: SavedCounts) -> None:
-        """Start the calibration from the snapshot's counts; whatever is wrong with them is
-        logged and the calibration relearns from its prior (the tokens serve on)."""
-        try:
-            counts = read_calibration(self.path, calibration.counts().shape)
-            if counts is not None:
-                calibration.restore_counts(counts)
-        except Exception as error:
-            logger.error("vllm_retrieval_spec: the calibration counts saved under %s were refused (%s); the budget "
-                         "relearns them and the next save replaces them", self.path, error)
-            return
-        if counts is not None:
-            logger.info("vllm_retrieval_spec: goodput calibration restored from %s", self.path)
+    def start_saving(self) -> None:
+        if self.writes:
+            self._thread = threading.Thread(target=self._save_periodically, daemon=True,
+                                            name=f"vrs-snapshot-{self.path.name}")
+            self._thread.start()
+            atexit.register(self.close)
 
     def close(self) -> None:
         """Stop the periodic saves and save a last time (once; later calls do nothing)."""
@@ -346,3 +340,50 @@ class OutputIndexSnapshots:
     def _save_periodically(self) -> None:
         while not self._stop.wait(self.interval_seconds):
             self.save_if_changed()
+
+
+class OutputIndexSnapshots(PeriodicSaves):
+    """An output index kept on disk, with the ``calibration`` counts when given: :meth:`start`
+    loads its snapshot (a refused one is logged and the index starts empty; refused counts are
+    logged and relearned) and, when ``writes``, saves it from a daemon thread every
+    ``interval_seconds`` when requests finished since the last save; :meth:`close` (also run at
+    interpreter exit) stops the thread and saves a last time. Saving never raises: a failed
+    save is logged and tried again at the next interval."""
+
+    def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
+                 *, writes: bool = True, calibration: SavedCounts | None = None) -> None:
+        super().__init__(path, interval_seconds, writes)
+        self.index = index
+        self.calibration = calibration
+        self.tokenizer = tokenizer
+
+    def start(self) -> bool:
+        """Load the snapshot and start saving; True when a snapshot was loaded."""
+        loaded = self.index.load(self.path, self.tokenizer)
+        if loaded and self.calibration is not None:
+            self._restore_calibration(self.calibration)
+        self._saved_changes = self.changes()
+        self.start_saving()
+        return loaded
+
+    noun = "output index"
+
+    def changes(self) -> int:
+        return self.index.stats.sequences_added
+
+    def save(self) -> None:
+        self.index.save(self.path, self.tokenizer, None if self.calibration is None else self.calibration.counts())
+
+    def _restore_calibration(self, calibration: SavedCounts) -> None:
+        """Start the calibration from the snapshot's counts; whatever is wrong with them is
+        logged and the calibration relearns from its prior (the tokens serve on)."""
+        try:
+            counts = read_calibration(self.path, calibration.counts().shape)
+            if counts is not None:
+                calibration.restore_counts(counts)
+        except Exception as error:
+            logger.error("vllm_retrieval_spec: the calibration counts saved under %s were refused (%s); the budget "
+                         "relearns them and the next save replaces them", self.path, error)
+            return
+        if counts is not None:
+            logger.info("vllm_retrieval_spec: goodput calibration restored from %s", self.path)

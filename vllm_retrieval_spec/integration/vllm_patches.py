@@ -24,7 +24,7 @@ import torch
 from vllm_retrieval_spec.compat import UnsupportedVllmError, is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.live_index import LiveIndex
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, engine_snapshot_path
+from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, PeriodicSaves, engine_snapshot_path
 from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget
 from vllm_retrieval_spec.integration.metrics import attach_metrics, engine_label, tensor_parallel_rank
 from vllm_retrieval_spec.integration.patch_surface import (
@@ -44,6 +44,9 @@ from vllm_retrieval_spec.verification.tree_attention import TreeLayer, require_s
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
+    from vllm_retrieval_spec.datastores.learned_snapshot import LearnedDenseSnapshots
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +273,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
                           output_index=output_index,
                           live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None,
                           learned_dense=drafter.learned_dense_index())
+    if session.learned_dense is not None:
+        keep_learned_dense(runner, options, session.learned_dense)
     drafter.bind_session(session)
     attach_metrics(runner, drafter, session)
     runner.vrs_session = session
@@ -330,6 +335,31 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
                                      calibration=calibration)
     snapshots.start()
     runner.vrs_output_snapshots = snapshots
+    _close_at_shutdown(runner, snapshots)
+    return snapshots
+
+
+def keep_learned_dense(runner: GPUModelRunner, options: RetrievalSpecOptions,
+                       index: LearnedDenseIndex) -> LearnedDenseSnapshots | None:
+    """With ``dense_learned_path``: restore this engine's snapshot into ``index`` now (every
+    tensor-parallel rank), then save it from the first rank every ``output_index_save_seconds``
+    and when vLLM shuts the runner down."""
+    if not options.dense_learned_path or index.key_store is None:
+        return None
+    from vllm_retrieval_spec.datastores.learned_snapshot import LearnedDenseSnapshots
+
+    path = engine_snapshot_path(options.dense_learned_path, int(engine_label(runner.vllm_config)))
+    snapshots = LearnedDenseSnapshots(index, path, index.key_store, options.output_index_save_seconds,
+                                      writes=tensor_parallel_rank() == 0)
+    snapshots.start()
+    runner.vrs_learned_snapshots = snapshots
+    _close_at_shutdown(runner, snapshots)
+    return snapshots
+
+
+def _close_at_shutdown(runner: GPUModelRunner, snapshots: PeriodicSaves) -> None:
+    """Save ``snapshots`` a last time when vLLM's worker shuts the runner down (without that hook:
+    at interpreter exit)."""
 
     def save_at_shutdown(original: Callable) -> Callable:
         def shutdown(*args, **kwargs):
@@ -338,9 +368,8 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
 
         return shutdown
 
-    if hasattr(runner, "shutdown"):  # vLLM's worker calls it on engine shutdown (else: at interpreter exit)
+    if hasattr(runner, "shutdown"):
         _hook(runner, "shutdown", save_at_shutdown)
-    return snapshots
 
 
 def _finished_tokens(runner: GPUModelRunner, req_ids: Iterable[str]) -> dict[str, np.ndarray]:

@@ -65,7 +65,8 @@ class DenseSource:
         if not self.learned_positions:
             return None
         return LearnedDenseIndex(self.store.manifest.dim, self.store.value_tokens, self.learned_positions,
-                                 pending_capacity=min(self.learned_positions, LEARNED_PENDING_KEYS))
+                                 pending_capacity=min(self.learned_positions, LEARNED_PENDING_KEYS),
+                                 key_store=self.store)
 
     def _place_index(self, vllm_config: VllmConfig, owner: str) -> None:
         """The FAISS index on the runner's GPU when faiss-gpu is installed (CPU otherwise)."""
