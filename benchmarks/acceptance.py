@@ -382,8 +382,8 @@ def resolve_configs(requested: list[str], repeat_baseline: bool, seeded: bool = 
             sys.exit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (NAME@2: NAME run again)")
         needed = CONFIGS[base_config(name)].get("requires")
         if needed and importlib.util.find_spec(needed) is None:
-            print(f"skipping {name}: it needs `{needed}` (benchmarks/results/README.md, 'Benchmarks')",
-                  file=sys.stderr)
+            print(f"skipping {name}: it needs `{needed}` (`bash scripts/install-comparators.sh` installs it; "
+                  "without it the report has no ratio to suffix)", file=sys.stderr)
             continue
         available.append(name)
     return available
