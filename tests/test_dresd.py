@@ -18,6 +18,7 @@ from vllm_retrieval_spec.datastores.dense_builder import (
 )
 from vllm_retrieval_spec.datastores.sources import InputSpec
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
+from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.verification.session import SpecSession
 
 from conftest import assert_same_token_ids, generate_both_ways, running_engine
@@ -67,18 +68,26 @@ def dense_store(model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_dresd_is_lossless_and_drafts_from_its_neighbours(tree, model_dir, dense_store, e2e_prompts, baseline_runs):
-    options = {"dense_datastore": str(dense_store), "budget": "fixed", "tree": tree}
-    spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 16 if tree
-                                  else 8}, {"retrieval_spec": options}, max_num_seqs=8)
+def lossless_drafter(model_dir: Path, proposer: str, options: dict, tree: bool, prompts: list[str],
+                     baseline_runs: dict) -> DraftProposer:
+    """``proposer`` with ``options`` (chains of 8 or trees of 16, 8 in flight) gives the token ids of
+    no speculation, accepting drafts without a failed step; its drafter."""
+    spec = EngineSpec(model_dir, {"model": f"vllm_retrieval_spec.{proposer}", "num_speculative_tokens": 16 if tree
+                                  else 8}, {"retrieval_spec": {**options, "tree": tree}}, max_num_seqs=8)
     with running_engine(spec) as llm:
-        runs = generate_both_ways(llm, e2e_prompts)
+        runs = generate_both_ways(llm, prompts)
         drafter = drafter_of(llm)
     for mode, run in runs.items():
         assert_same_token_ids(baseline_runs[mode], run)
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0, drafter.stats.last_error
+    return drafter
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_dresd_is_lossless_and_drafts_from_its_neighbours(tree, model_dir, dense_store, e2e_prompts, baseline_runs):
+    drafter = lossless_drafter(model_dir, "DReSDProposer", {"dense_datastore": str(dense_store), "budget": "fixed"},
+                               tree, e2e_prompts, baseline_runs)
     assert sum(count for source, count in drafter.stats.draft_tokens_by_source.items() if "dense" in source) > 0
 
 
@@ -87,18 +96,8 @@ def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_
                                                                      e2e_prompts, baseline_runs):
     """HybridProposer: REST's datastore and context with the dense neighbours in one trie, under
     the goodput budget (budget auto, which calibrates and ranks every source on its own)."""
-    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "tree": tree,
-               "dense_learned_positions": 4096}
-    spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.HybridProposer",
-                                  "num_speculative_tokens": 16 if tree else 8},
-                      {"retrieval_spec": options}, max_num_seqs=8)
-    with running_engine(spec) as llm:
-        runs = generate_both_ways(llm, e2e_prompts)
-        drafter = drafter_of(llm)
-    for mode, run in runs.items():
-        assert_same_token_ids(baseline_runs[mode], run)
-        assert run.counters.accepted_tokens > 0, mode
-    assert drafter.stats.failures == 0, drafter.stats.last_error
+    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "dense_learned_positions": 4096}
+    drafter = lossless_drafter(model_dir, "HybridProposer", options, tree, e2e_prompts, baseline_runs)
     assert drafter.stats.rows > 0
     assert drafter.last_drafts.agreeing is not None
     learned = drafter.session.learned_dense

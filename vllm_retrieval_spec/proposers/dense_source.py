@@ -95,3 +95,17 @@ class DenseSource:
         agree = values[:, :, 0] == last[:, None]
         return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),
                 np.count_nonzero(agree, axis=1).astype(np.int32))
+
+
+class UsesDenseSource:
+    """Mixed into a proposer that drafts from a :class:`DenseSource` (``self.dense``, set in its
+    ``__init__``): the runner's session keeps the target's hidden states for it, and the index
+    learned from served traffic when ``dense_learned_positions`` asks for one."""
+
+    dense: DenseSource
+
+    def needs_hidden_states(self) -> bool:
+        return True
+
+    def learned_dense_index(self) -> LearnedDenseIndex | None:
+        return self.dense.learned_index()

@@ -6,15 +6,13 @@ from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.proposers.base import DraftBatch, DraftProposer
-from vllm_retrieval_spec.proposers.dense_source import DenseDrafts, DenseSource
+from vllm_retrieval_spec.proposers.dense_source import DenseDrafts, DenseSource, UsesDenseSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 
-
-class DReSDProposer(DraftProposer):
+class DReSDProposer(UsesDenseSource, DraftProposer):
     """Per step and request: the hidden state that produced the last sampled token, z-normalised,
     PCA-reduced and L2-normalised, searched in the dense datastore's FAISS index (one batched
     call); the neighbours whose stored continuation starts with the token just sampled give
@@ -28,12 +26,6 @@ class DReSDProposer(DraftProposer):
                                               top_k=self.candidate_tree_size(), use_datastore=False,
                                               cont_len=max(1, self.dense.store.value_tokens - 1))
         self.last_drafts: DenseDrafts | None = None
-
-    def needs_hidden_states(self) -> bool:
-        return True
-
-    def learned_dense_index(self) -> LearnedDenseIndex | None:
-        return self.dense.learned_index()
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)

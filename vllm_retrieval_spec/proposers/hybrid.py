@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_retrieval_spec.proposers.base import DraftBatch
-from vllm_retrieval_spec.proposers.dense_source import DenseDrafts, DenseSource
+from vllm_retrieval_spec.proposers.dense_source import DenseDrafts, DenseSource, UsesDenseSource
 from vllm_retrieval_spec.proposers.rest import RestProposer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 
-
-class HybridProposer(RestProposer):
+class HybridProposer(UsesDenseSource, RestProposer):
     """``RestProposer`` (datastore, context, output index, live index) with the dense datastore's
     neighbours of the target's last hidden state (``DReSDProposer``'s source) merged into the same
     trie. The goodput budget calibrates every source on its own (a dense node's evidence is how
@@ -25,12 +23,6 @@ class HybridProposer(RestProposer):
         super().__init__(vllm_config)
         self.dense = DenseSource(self.options, vllm_config, type(self).__name__)
         self.last_drafts: DenseDrafts | None = None
-
-    def needs_hidden_states(self) -> bool:
-        return True
-
-    def learned_dense_index(self) -> LearnedDenseIndex | None:
-        return self.dense.learned_index()
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)
