@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
 RESULTS = Path(__file__).resolve().parent / "results"
 INDIST_STORE = cache_root() / "datastores" / "stdlib-answers"
+LEARNED_DENSE_DIR = cache_root() / "learned-dense" / "acceptance"  # dresd_learned_saved_k32's snapshots
 INDIST_DENSE_STORE = cache_root() / "dense-datastores" / "stdlib-answers-dense"
 
 
@@ -143,6 +144,9 @@ CONFIGS: dict[str, dict] = {
     "hybrid_learned_k32": _ours("HybridProposer", 32, dense_learned_positions=65_536),
     "dresd_k32": _ours("DReSDProposer", 32),
     "dresd_learned_k32": _ours("DReSDProposer", 32, dense_learned_positions=65_536),
+    # ... kept on disk (LEARNED_DENSE_DIR): a run restores what the previous run of this config learned.
+    "dresd_learned_saved_k32": _ours("DReSDProposer", 32, dense_learned_positions=65_536,
+                                     dense_learned_path=str(LEARNED_DENSE_DIR)),
     # REST datastore-only on DReSD's default corpus (datastore build --recipe python-code-dense).
     "rest_datastore_same_k8": _ours("RestProposer", 8, use_context=False, datastore="python-code-dense"),
     # In-distribution stores: the model's own answers to standard-library prompts, built by the
