@@ -386,7 +386,8 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows, const vrs::RestParams& prm,
                        std::optional<GivenTokens> dense_tokens, std::optional<TokenMatrix<Cpu>> dense_lengths,
-                       std::optional<ConstVector<Cpu>> dense_match_len, std::optional<GivenTokens> live_tokens, std::optional<TokenMatrix<Cpu>> live_lengths,
+                       std::optional<ConstVector<Cpu>> dense_match_len, std::optional<GivenTokens> live_tokens,
+                       std::optional<TokenMatrix<Cpu>> live_lengths,
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
                        bool profile, int num_threads, vrs::SelectionCache* store_cache) {

@@ -38,6 +38,12 @@ def test_inconsistent_values_are_rejected():
         RetrievalSpecOptions.from_dict({"context_ngram_min": 5, "context_ngram_max": 2})
 
 
+def test_a_learned_dense_index_of_one_position_is_refused():
+    with pytest.raises(OptionsError, match=r"dense_learned_positions must be 0 \(off\) or at least 2, got 1"):
+        RetrievalSpecOptions.from_dict({"dense_learned_positions": 1})
+    assert RetrievalSpecOptions.from_dict({"dense_learned_positions": 2}).dense_learned_positions == 2
+
+
 def test_section_must_be_an_object():
     with pytest.raises(OptionsError, match="must be a JSON object"):
         RetrievalSpecOptions.from_additional_config({"retrieval_spec": [1, 2]})

@@ -262,6 +262,8 @@ class RetrievalSpecOptions:
                     f"{OPTIONS_KEY}.{low} ({getattr(self, low)}) must not exceed "
                     f"{OPTIONS_KEY}.{high} ({getattr(self, high)})"
                 )
+        if self.dense_learned_positions == 1:
+            raise OptionsError(f"{OPTIONS_KEY}.dense_learned_positions must be 0 (off) or at least 2, got 1")
         if not (self.use_datastore or self.use_context):
             raise OptionsError(
                 f"{OPTIONS_KEY}.use_datastore and {OPTIONS_KEY}.use_context are both false: "

@@ -280,6 +280,8 @@ class PeriodicSaves(abc.ABC):
     :meth:`save_if_changed` from a daemon thread every ``interval_seconds``; :meth:`close` (also
     run at interpreter exit) stops the thread and saves a last time."""
 
+    noun = "snapshot"  # what is saved, for the log
+
     def __init__(self, path: Path, interval_seconds: float, writes: bool) -> None:
         self.path = Path(path)
         self.interval_seconds = interval_seconds
@@ -290,8 +292,6 @@ class PeriodicSaves(abc.ABC):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-
-    noun = "snapshot"  # what is saved, for the log
 
     @abc.abstractmethod
     def changes(self) -> int:
@@ -350,6 +350,8 @@ class OutputIndexSnapshots(PeriodicSaves):
     interpreter exit) stops the thread and saves a last time. Saving never raises: a failed
     save is logged and tried again at the next interval."""
 
+    noun = "output index"
+
     def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
                  *, writes: bool = True, calibration: SavedCounts | None = None) -> None:
         super().__init__(path, interval_seconds, writes)
@@ -365,8 +367,6 @@ class OutputIndexSnapshots(PeriodicSaves):
         self._saved_changes = self.changes()
         self.start_saving()
         return loaded
-
-    noun = "output index"
 
     def changes(self) -> int:
         return self.index.stats.sequences_added

@@ -195,7 +195,7 @@ class SpecSession:
         req_ids = list(req_ids)
         if self.learned_dense is not None:
             self.learned_dense.finish(tokens)
-            self.learned_dense.forget(req_ids)
+            self.learned_dense.forget(req_id for req_id in req_ids if req_id not in tokens)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
         if self.live_index is not None:
