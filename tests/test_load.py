@@ -161,6 +161,10 @@ async def _fake_completions(request: Any, state: dict[str, int]) -> Any:
     body = await request.json()
     if body["prompt"] == "fail":
         return web.json_response({"error": {"message": "no", "type": "BadRequestError"}}, status=400)
+    if body["prompt"].startswith("drop") and state["drops"] < int(body["prompt"].split()[1]):
+        state["drops"] += 1  # a keep-alive timer closing the connection under the request
+        request.transport.close()
+        return web.Response()  # never sent: the transport is closed
     state["in_flight"] += 1
     state["peak"] = max(state["peak"], state["in_flight"])
     try:
@@ -182,7 +186,7 @@ async def _fake_completions(request: Any, state: dict[str, int]) -> Any:
 async def _run_against_fake(requests: list[LoadRequest], settings: LoadSettings) -> tuple[LoadRun, dict[str, int]]:
     from aiohttp import web
 
-    state = {"in_flight": 0, "peak": 0}
+    state = {"in_flight": 0, "peak": 0, "drops": 0}
     app = web.Application()
 
     async def completions(request: Any) -> Any:
@@ -218,6 +222,24 @@ def test_runner_keeps_concurrency_and_reports_each_request(stream):
         assert result.prompt_tokens == len(str(request.prompt).split())
         assert (result.ttft is not None) == stream and (result.tpot is not None) == stream
     assert summarize_run(run)["errors"] == {"HTTP 400": 1}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_connection_dropped_unanswered_is_sent_again_once_and_counted(stream):
+    settings = LoadSettings("fake", concurrency=1, stream=stream)
+    run, state = asyncio.run(_run_against_fake([LoadRequest(prompt="drop 1 a b", max_tokens=4)], settings))
+    [result] = run.results
+    assert result.ok and result.text.split() == ["drop", "1", "a", "b"] and result.reconnects == 1
+    assert state["drops"] == 1 and summarize_run(run)["reconnects"] == 1
+    run, state = asyncio.run(_run_against_fake([LoadRequest(prompt="drop 9 a", max_tokens=4)], settings))
+    [result] = run.results
+    assert result.error == "connection" and state["drops"] == 2  # sent twice, then an error
+    summary = summarize_run(run)
+    assert summary["failed_requests"] == [{"index": 0, "error": "connection", "detail": result.detail,
+                                           "after_s": result.latency}]
+    assert result.detail.startswith("APIConnectionError: Connection error. <- ")
+    table = format_table([{"server": "fake", **summary}])
+    assert f"errors, fake at concurrency 1: connection ×1\n  request 0 after {result.latency:.2f} s: " in table
 
 
 # --- A real server ------------------------------------------------------------------------------
@@ -284,7 +306,7 @@ def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_s
                     reference_server.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
                     "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
     [row] = json.loads(out.read_text())["results"]
-    assert row["completed"] == 200 and row["errors"] == {}
+    assert row["completed"] == 200 and row["errors"] == {}, (row["failed_requests"], rest_server.log_tail())
     greedy = sum(request.is_greedy(0.0) for request in mixed_requests(200, 16))
     assert row["compare"]["compared"] == greedy and row["compare"]["differing"] == 0
 
@@ -313,7 +335,7 @@ def test_a_store_grown_and_shrunk_under_32_clients_serves_every_request_exactly(
         assert rest_server.metric("vllm:num_requests_running") > 0  # swapped while the clients were served
         assert clients.wait(timeout=1800) == 0
     [row] = json.loads(out.read_text())["results"]
-    assert row["completed"] == 96 and row["errors"] == {}
+    assert row["completed"] == 96 and row["errors"] == {}, (row["failed_requests"], rest_server.log_tail())
     assert row["compare"]["compared"] == 96 and row["compare"]["differing"] == 0
     assert removed.num_documents == added.num_documents - 40
     assert "cannot be opened" not in rest_server.log_text()

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 PERCENTILES = (50, 90, 99)
+# A request whose connection drops before any response is sent again this many times: a server's
+# keep-alive timer may close an idle connection as the client reuses it (uvicorn under uvloop runs
+# due timers before reading a request that arrived during a stall), which every HTTP client
+# retries; the retries are counted in the summary, and a drop after the response began is an error.
+RECONNECTS = 1
 # Common English words, one token each for the usual BPE vocabularies (with the leading space).
 SYNTHETIC_WORDS = (
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
@@ -182,6 +187,8 @@ class RequestResult:
 
     index: int
     error: str | None = None  # the kind of failure; None when it succeeded
+    detail: str = ""  # the failure's message, with its causes
+    reconnects: int = 0  # times the request was sent again after its connection dropped unanswered
     ttft: float | None = None  # streaming only
     latency: float = 0.0
     output_tokens: int = 0
@@ -234,6 +241,18 @@ def error_kind(error: BaseException) -> str:
     return type(error).__name__
 
 
+def error_detail(error: BaseException) -> str:
+    """The failure's message followed by its causes' (what httpx saw under openai's wrapper)."""
+    messages: list[str] = []
+    cause: BaseException | None = error
+    while cause is not None and len(messages) < 4:
+        message = f"{type(cause).__name__}: {cause}".strip()
+        if message not in messages:
+            messages.append(message)
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(messages)[:500]
+
+
 def _create_arguments(request: LoadRequest, settings: LoadSettings) -> dict[str, Any]:
     extra: dict[str, Any] = {key: value for key, value in request.sampling.items()
                              if key not in OPENAI_SAMPLING_ARGUMENTS}
@@ -264,18 +283,35 @@ def _choice_text(choice: Any) -> str:
 
 
 def _result(index: int, ttft: float | None, latency: float, ids: list[int], text: str,
-            usage: Any, pieces: int) -> RequestResult:
+            usage: Any, pieces: int, reconnects: int) -> RequestResult:
     """Output tokens from the usage, else the token ids, else the pieces of text received."""
     output_tokens = usage.completion_tokens if usage is not None else (len(ids) or pieces)
     return RequestResult(index, ttft=ttft, latency=latency, output_tokens=output_tokens,
                          prompt_tokens=usage.prompt_tokens if usage is not None else None,
-                         token_ids=ids or None, text=text)
+                         token_ids=ids or None, text=text, reconnects=reconnects)
+
+
+async def _create(client: AsyncOpenAI, request: LoadRequest, settings: LoadSettings) -> tuple[Any, int]:
+    """The endpoint's response (a stream when streaming) and how many times the request was sent
+    again after its connection dropped before any response (at most ``RECONNECTS``)."""
+    import openai
+
+    endpoint: Any = client.chat.completions if request.messages is not None else client.completions
+    reconnects = 0
+    while True:
+        try:
+            return await endpoint.create(**_create_arguments(request, settings)), reconnects
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError:
+            if reconnects == RECONNECTS:
+                raise
+            reconnects += 1
 
 
 async def _send_streamed(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings,
                          sent: float) -> RequestResult:
-    endpoint: Any = client.chat.completions if request.messages is not None else client.completions
-    stream = await endpoint.create(**_create_arguments(request, settings))
+    stream, reconnects = await _create(client, request, settings)
     ttft, ids, text, pieces, usage = None, [], [], 0, None
     async for chunk in stream:
         usage = chunk.usage or usage
@@ -286,17 +322,16 @@ async def _send_streamed(client: AsyncOpenAI, index: int, request: LoadRequest, 
                 pieces += 1
             ids.extend(new_ids)
             text.append(piece)
-    return _result(index, ttft, time.perf_counter() - sent, ids, "".join(text), usage, pieces)
+    return _result(index, ttft, time.perf_counter() - sent, ids, "".join(text), usage, pieces, reconnects)
 
 
 async def _send_whole(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings,
                       sent: float) -> RequestResult:
-    endpoint: Any = client.chat.completions if request.messages is not None else client.completions
-    response = await endpoint.create(**_create_arguments(request, settings))
+    response, reconnects = await _create(client, request, settings)
     choice = response.choices[0]
     ids = list((choice.model_extra or {}).get("token_ids") or [])
     text = _choice_text(choice)
-    return _result(index, None, time.perf_counter() - sent, ids, text, response.usage, int(bool(text)))
+    return _result(index, None, time.perf_counter() - sent, ids, text, response.usage, int(bool(text)), reconnects)
 
 
 async def send_request(client: AsyncOpenAI, index: int, request: LoadRequest, settings: LoadSettings) -> RequestResult:
@@ -306,7 +341,8 @@ async def send_request(client: AsyncOpenAI, index: int, request: LoadRequest, se
     try:
         return await send(client, index, request, settings, sent)
     except Exception as error:
-        return RequestResult(index, error=error_kind(error), latency=time.perf_counter() - sent)
+        return RequestResult(index, error=error_kind(error), detail=error_detail(error),
+                             latency=time.perf_counter() - sent)
 
 
 async def run_load(base_url: str, requests: Sequence[LoadRequest], settings: LoadSettings,
@@ -408,6 +444,9 @@ def summarize_run(run: LoadRun) -> dict[str, Any]:
         "requests": len(run.results),
         "completed": len(ok),
         "errors": dict(Counter(r.error for r in run.results if r.error is not None)),
+        "reconnects": sum(r.reconnects for r in run.results),
+        "failed_requests": [{"index": r.index, "error": r.error, "detail": r.detail, "after_s": r.latency}
+                            for r in run.results if r.error is not None][:32],
         "seconds": run.seconds,
         "output_tokens": output,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
@@ -464,5 +503,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         )
     lines += [f"errors, {row['server']} at concurrency {row['concurrency']}: "
               + ", ".join(f"{kind} ×{count}" for kind, count in row["errors"].items())
+              + "".join(f"\n  request {failed['index']} after {failed['after_s']:.2f} s: {failed['detail']}"
+                        for failed in row.get("failed_requests", [])[:4])
               for row in rows if row["errors"]]
+    lines += [f"reconnects, {row['server']} at concurrency {row['concurrency']}: {row['reconnects']} request(s) "
+              "sent again after their connection dropped unanswered" for row in rows if row.get("reconnects")]
     return "\n".join(lines)
