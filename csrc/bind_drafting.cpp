@@ -461,6 +461,7 @@ void bind_rest(nb::module_& m) {
       .def_rw("top_k", &vrs::RestParams::top_k)
       .def_rw("chain_len", &vrs::RestParams::chain_len)
       .def_rw("min_ratio", &vrs::RestParams::min_ratio)
+      .def_rw("tree_holds_chain", &vrs::RestParams::tree_holds_chain)
       .def_rw("use_datastore", &vrs::RestParams::use_datastore)
       .def_rw("use_context", &vrs::RestParams::use_context)
       .def_rw("context_weight", &vrs::RestParams::context_weight)

@@ -25,6 +25,7 @@ struct RestParams {
   int top_k = 0;                // tree nodes kept (0: no tree)
   int chain_len = 0;            // longest chain
   double min_ratio = 0;         // chain stops when weight(child) / weight(parent) < min_ratio
+  bool tree_holds_chain = false;  // the tree's main path is the chain, its other nodes the best of the rest
   bool use_datastore = false;
   bool use_context = false;
   double context_weight = 0;    // weight of one context continuation (a datastore one weighs 1)
@@ -276,19 +277,32 @@ class ContinuationTrie {
   }
 
   // The top_k best-ranked nodes, written depth-first (each node's children in rank order) with
-  // parent positions; returns the count. Every node ranks after its parent (chances are at most
-  // 1), so the top_k form a subtree and a best-first expansion from the root finds them without
-  // sorting the trie. Depth-first puts the main path (the best child of the best child ...)
-  // first: its nodes see exactly their ancestors under a causal mask, so tree verification
-  // recomputes only the nodes after it.
-  int select_tree(int top_k, NodeOutput out) {
+  // parent positions; returns the count. With main_len > 0 the tree holds the chain first (its
+  // first main_len nodes, as select_chain walks them) and its other top_k - main_len nodes are
+  // the best-ranked of the rest: a goodput budget choosing among the tree's nodes then has the
+  // whole chain to choose from as well as the branches. Every node ranks after its parent
+  // (chances are at most 1), so the chosen nodes form a subtree and a best-first expansion from
+  // the root (and the main path) finds them without sorting the trie. Depth-first puts the main
+  // path (the best child of the best child ...) first: its nodes see exactly their ancestors
+  // under a causal mask, so tree verification recomputes only the nodes after it.
+  int select_tree(int top_k, int main_len, double min_ratio, NodeOutput out) {
     if (top_k <= 0) return 0;
     auto worse = [this](int32_t a, int32_t b) { return ranks_before(b, a); };
     std::vector<int32_t>& frontier = scratch_;
     std::vector<int32_t>& chosen = chosen_;
     frontier.clear();
     chosen.clear();
-    for (int32_t c = nodes_[0].first_child; c >= 0; c = nodes_[c].next_sibling) frontier.push_back(c);
+    for (int32_t cur = 0, best; static_cast<int>(chosen.size()) < std::min(top_k, main_len); cur = best) {
+      best = best_child(cur);
+      if (best < 0 || !chain_continues(best, cur, min_ratio)) break;
+      chosen.push_back(best);
+    }
+    for (size_t i = 0; i <= chosen.size(); ++i) {  // the unchosen children of the root and the main path
+      const int32_t parent = i == 0 ? 0 : chosen[i - 1];
+      const int32_t next = i < chosen.size() ? chosen[i] : -1;
+      for (int32_t c = nodes_[parent].first_child; c >= 0; c = nodes_[c].next_sibling)
+        if (c != next) frontier.push_back(c);
+    }
     std::make_heap(frontier.begin(), frontier.end(), worse);
     while (!frontier.empty() && static_cast<int>(chosen.size()) < top_k) {
       std::pop_heap(frontier.begin(), frontier.end(), worse);
@@ -308,15 +322,10 @@ class ContinuationTrie {
   // min_ratio: its calibrated chance with a table, else its weight over its parent's.
   int select_chain(int chain_len, double min_ratio, NodeOutput out) const {
     int len = 0;
-    int32_t cur = 0;
-    while (len < chain_len) {
-      int32_t best = -1;
-      for (int32_t c = nodes_[cur].first_child; c >= 0; c = nodes_[c].next_sibling)
-        if (best < 0 || ranks_before(c, best)) best = c;
-      if (best < 0 || (table_ != nullptr ? conditional_[best] < min_ratio : weight(best) < min_ratio * weight(cur)))
-        break;
+    for (int32_t cur = 0, best; len < chain_len; cur = best) {
+      best = best_child(cur);
+      if (best < 0 || !chain_continues(best, cur, min_ratio)) break;
       write(out, len++, best);
-      cur = best;
     }
     return len;
   }
@@ -324,6 +333,20 @@ class ContinuationTrie {
   size_t size() const { return nodes_.size(); }
 
  private:
+  // The best-ranked child of a node (-1: none).
+  int32_t best_child(int32_t node) const {
+    int32_t best = -1;
+    for (int32_t c = nodes_[node].first_child; c >= 0; c = nodes_[c].next_sibling)
+      if (best < 0 || ranks_before(c, best)) best = c;
+    return best;
+  }
+
+  // Whether a chain goes on from parent to child: the child's calibrated chance (with a table),
+  // else its weight over the parent's, is at least min_ratio.
+  bool chain_continues(int32_t child, int32_t parent, double min_ratio) const {
+    return table_ != nullptr ? conditional_[child] >= min_ratio : weight(child) >= min_ratio * weight(parent);
+  }
+
   // A node's weight over its parent's: the drafter's raw acceptance guess.
   float ratio(int32_t node) const { return static_cast<float>(weight(node) / weight(nodes_[node].parent)); }
 
@@ -611,8 +634,8 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
   const int dense_len = extras.dense != nullptr && prm.dense_weight > 0 ? extras.dense->match_len : 0;
   trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len, dense_len});
   if (out.tree_size != nullptr)
-    *out.tree_size = trie.select_tree(
-        prm.top_k, {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});
+    *out.tree_size = trie.select_tree(prm.top_k, prm.tree_holds_chain ? prm.chain_len : 0, prm.min_ratio,
+                                      {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});
   *out.chain_size = trie.select_chain(prm.chain_len, prm.min_ratio,
                                       {out.chain_tokens, nullptr, out.chain_prob, out.chain_source});
   auto t4 = clock::now();

@@ -302,6 +302,25 @@ def test_a_slow_search_must_pay_for_itself():
     assert budget.worth_searching(["a"], 1).all() and budget.search_seconds_per_row < 0.05
 
 
+def test_branch_roots_are_calibrated_apart_from_first_children():
+    """A root's second child shares its bucket with the first but is accepted only when the
+    first is not: its outcomes stay out of the bucket, whose estimate follows the first child
+    alone, and a branch factor learned from them keeps the sibling from being drafted."""
+    rng = np.random.default_rng(0)
+    budget = GoodputBudget(margin=0.05, cost=cost_model(0.02, 0.0, 0.006))
+    tokens = np.array([[5, 9]], np.int32)
+    nodes = DraftNodes(tokens, np.array([[-1, -1]], np.int32), np.array([2], np.int32), np.ones((1, 2), np.float32),
+                       np.full((1, 2), SOURCE_CONTEXT, np.int8), np.full((1, 2), 4, np.int32))
+    for _ in range(300):
+        keep = budget.choose(["a"], nodes, np.array([2]), 1, 0.0, trees=True)
+        assert keep[0, 0]
+        budget.observe(["a"], [[5, 1] if rng.random() < 0.7 else [3]])
+    assert not keep[0, 1]  # 0.7 x the branch factor no longer pays for its verification
+    assert budget.branches.factor < 0.6
+    bucket = budget.calibration.buckets(nodes, node_depths(nodes.parents))
+    assert budget.calibration.estimate(bucket, nodes.prob)[0, 0] == pytest.approx(0.7, abs=0.08)
+
+
 def random_forests(rng: np.random.Generator, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Parents-first trees (``parents[i] < i``, -1 = the root), -1 padded after each row's size."""
     size = rng.integers(0, width + 1, rows)

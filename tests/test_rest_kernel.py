@@ -119,6 +119,7 @@ params_strategy = st.builds(
     top_k=st.integers(1, 12),
     chain_len=st.integers(1, 6),
     min_ratio=st.sampled_from([0.0, 0.2, 0.5]),
+    tree_holds_chain=st.booleans(),
     use_datastore=st.booleans(),
     use_context=st.booleans(),
     context_weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
@@ -215,6 +216,25 @@ def test_defaults_are_the_served_options():
     for field in dataclasses.fields(RestParams):
         if hasattr(options, field.name):
             assert getattr(RestParams(), field.name) == getattr(options, field.name), field.name
+
+
+def test_a_tree_holding_the_chain_keeps_it_whole_and_fills_up_with_the_best_branches():
+    """Context continuations 1 2 3 4 (twice), 1 2 3 5 and 1 9 6 (twice): by weight a 4-node tree
+    takes the branch 9 before the chain's depth-4 node; holding the chain it keeps 1 2 3 4; with
+    room to spare the best other nodes follow the main path."""
+    context = np.array([8, 1, 2, 3, 4, 8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8, 1, 9, 6, 8, 1, 9, 6, 8], np.int32)
+    base = RestParams(n_min=1, n_max=1, cont_len=4, top_k=4, chain_len=4, min_ratio=0.0, use_datastore=False,
+                      context_weight=1.0)
+
+    def tree(**changes):
+        found = rest_retrieve(None, context[None, :], np.array([len(context)], np.int32), np.array([0], np.int32),
+                              dataclasses.replace(base, **changes))
+        assert found.chain(0) == [1, 2, 3, 4]
+        return found.tree(0)
+
+    assert tree() == ([1, 2, 3, 9], [-1, 0, 1, 0])
+    assert tree(tree_holds_chain=True) == ([1, 2, 3, 4], [-1, 0, 1, 2])
+    assert tree(tree_holds_chain=True, top_k=6) == ([1, 2, 3, 4, 9, 6], [-1, 0, 1, 2, 0, 4])
 
 
 def test_large_trees_match_the_reference():

@@ -128,7 +128,11 @@ class RetrievalSpecOptions:
         0, _int_in(0, MAX_SPEC_LEN),
         "REST: tokens per retrieved continuation (0: num_speculative_tokens, as deep as a row can draft)",
     )
-    top_k: int = _option(64, _int_in(1, 1024), "REST: nodes of the draft tree kept")
+    top_k: int = _option(
+        64, _int_in(1, 1024),
+        "REST: nodes of the candidate tree (budget auto: the budget verifies the best num_speculative_tokens of "
+        "them, the whole chain among them; fixed: at most num_speculative_tokens)",
+    )
     use_output_index: bool = _option(
         True, _bool,
         "REST: also retrieve from the tokens (prompt and output) of this engine's recently finished requests",

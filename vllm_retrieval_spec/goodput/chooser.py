@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel, tree_work
+from vllm_retrieval_spec.goodput.paths import first_children, fold_paths
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,7 @@ def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
 
 def main_paths(parents: np.ndarray, size: np.ndarray) -> np.ndarray:
     """Per row, the chain from the root through each node's first child (``[rows, N]`` mask)."""
-    rows, width = parents.shape
-    row = np.arange(rows)
-    on_path = np.zeros((rows, width), bool)
-    claimed = np.zeros((rows, width + 1), bool)  # [row, parent + 1]: its first child was seen
-    for column in range(width):
-        parent = parents[:, column]
-        valid = column < size
-        parent_on_path = np.where(parent >= 0, on_path[row, np.maximum(parent, 0)], True)
-        on_path[:, column] = valid & parent_on_path & ~claimed[row, parent + 1]
-        claimed[row, parent + 1] |= valid
-    return on_path
+    return fold_paths(first_children(parents, size), parents, np.logical_and)
 
 
 def _rate(choice: Choice) -> float:

@@ -11,7 +11,9 @@ into one trie. Output: the ``top_k`` best nodes as a subtree, depth-first with e
 children in rank order (parents before children, the main path first), and the best chain (the
 best child at each step), which stops when a child keeps less than ``min_ratio`` of its parent's
 weight (with a :class:`ChanceTable`: when its calibrated chance given its parent is below
-``min_ratio``).
+``min_ratio``). With ``tree_holds_chain`` the tree's main path is that chain (up to ``top_k``
+nodes) and its other nodes are the best of the rest, so that a budget choosing among the tree's
+nodes (``budget: auto``) can draft the whole chain where branches do not pay.
 
 Nodes rank by weight, or, given a :class:`ChanceTable` (the goodput calibration's), by calibrated
 path chance: the product along the node's path of each node's chance given its parent, looked up
@@ -49,6 +51,7 @@ class RestParams:
     top_k: int = 64
     chain_len: int = 8
     min_ratio: float = 0.1
+    tree_holds_chain: bool = False
     use_datastore: bool = True
     use_context: bool = True
     context_weight: float = 256.0
@@ -66,9 +69,11 @@ class RestParams:
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
         """The REST settings of a ``RetrievalSpecOptions`` for chains of ``chain_len``; trees
-        (``top_k`` nodes) only when ``options.tree`` is set."""
+        (``top_k`` nodes) only when ``options.tree`` is set, holding the chain when a goodput
+        budget chooses among their nodes (deterministic candidates)."""
         values = {f: getattr(options, f) for f in cls.__dataclass_fields__ if hasattr(options, f)}
         values["top_k"] = options.top_k if options.tree else 0
+        values["tree_holds_chain"] = options.tree and options.budget == "auto" and options.candidates == "deterministic"
         return cls(**{**values, "chain_len": chain_len, **overrides})
 
 

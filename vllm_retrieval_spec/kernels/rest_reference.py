@@ -93,11 +93,13 @@ class _ReferenceTrie:
         by_weight = (-self.weight(node), self.nodes[node].depth, self.nodes[node].token, node)
         return by_weight if self.chances is None else (-self.path[node], *by_weight)
 
-    def tree(self, top_k: int) -> list[int]:
-        """The top_k best-ranked nodes, depth-first (each node's children in rank order): sorted
-        by the ranks along their paths from the root."""
-        chosen = sorted(range(1, len(self.nodes)), key=self.rank)[:top_k]
-        return sorted(chosen, key=self.path_ranks)
+    def tree(self, top_k: int, main_path: list[int]) -> list[int]:
+        """``main_path`` (cut to top_k) and the best-ranked other nodes, top_k in all,
+        depth-first (each node's children in rank order): sorted by the ranks along their paths
+        from the root."""
+        main = main_path[:top_k]
+        others = sorted(set(range(1, len(self.nodes))) - set(main), key=self.rank)[: top_k - len(main)]
+        return sorted([*main, *others], key=self.path_ranks)
 
     def path_ranks(self, node: int) -> list[tuple]:
         """The ranks of the node's ancestors and itself, from the root's child down."""
@@ -174,7 +176,8 @@ def rest_retrieve_reference(
         live_len = _given_match_len(live, live_match_len, params.live_weight, row)
         trie.score({SOURCE_DATASTORE: ds_len, SOURCE_CONTEXT: ctx_len, SOURCE_OUTPUT: out_len, SOURCE_LIVE: live_len,
                     SOURCE_DENSE: _given_match_len(dense, dense_match_len, params.dense_weight, row)})
-        tree, chain = trie.tree(params.top_k), trie.chain(params.chain_len, params.min_ratio)
+        chain = trie.chain(params.chain_len, params.min_ratio)
+        tree = trie.tree(params.top_k, chain if params.tree_holds_chain else [])
         results.append({
             "tree": (trie.tokens(tree), trie.parents(tree)),
             "chain": trie.tokens(chain),

@@ -171,9 +171,10 @@ class DraftProposer(abc.ABC):
 
     def candidate_tree_size(self) -> int:
         """Nodes of the candidate trees the drafter builds: ``top_k`` to draw sampled candidates
-        from, at most the node budget for deterministic trees, 0 for chains only."""
-        if self.options.candidates == "sampled":
-            return self.options.top_k
+        from or for a goodput budget to choose among, at most the node budget for deterministic
+        trees cut to it (``budget: fixed``), 0 for chains only."""
+        if self.options.candidates == "sampled" or (self.options.tree and self.options.budget == "auto"):
+            return self.options.top_k  # a budget chooses the best of them
         return min(self.options.top_k, self.num_speculative_tokens) if self.options.tree else 0
 
     def load_model(self, target_model: torch.nn.Module) -> None:  # noqa: B027 (an optional hook)

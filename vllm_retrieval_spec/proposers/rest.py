@@ -22,9 +22,10 @@ class RestProposer(DraftProposer):
     requests of this engine) and in-context continuations of the longest matching suffix
     (REST, extended with the context and output sources). With a goodput budget, nodes rank by
     its calibrated path chance (a long in-context match outranks a frequent short datastore
-    continuation), else by trie weight. With the ``tree``
-    option it drafts the heaviest subtree instead (at most ``top_k`` and
-    ``num_speculative_tokens`` nodes) for tree verification."""
+    continuation), else by trie weight. With the ``tree`` option it drafts a subtree instead for
+    tree verification: with a goodput budget the best ``num_speculative_tokens`` of ``top_k``
+    candidates holding the whole chain (the budget keeps branches only where they pay), else the
+    heaviest ``min(top_k, num_speculative_tokens)`` nodes."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
