@@ -184,11 +184,10 @@ class GoodputBudget:
         accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
                                        pending.keep[present], sampled)
         chance, bucket = pending.chance[present], pending.bucket[present]
-        branch = pending.branch[present]
-        counted = observed & ~branch
+        roots = observed & pending.branch[present]
+        counted = observed & ~roots
         self.calibration.observe(bucket[counted], chance[counted], accepted[counted])
-        if (observed & branch).any():
-            roots = observed & branch
+        if roots.any():
             self.branches.record(float(chance[roots].sum()) / pending.branch_factor, float(accepted[roots].sum()))
         slots = self.factors.slots_of([pending.req_ids[i] for i in np.flatnonzero(present)])
         self.factors.record(slots, np.where(observed, chance, 0.0).sum(axis=1), accepted.sum(axis=1))
