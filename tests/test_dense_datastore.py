@@ -290,7 +290,7 @@ def test_unbuilt_recipe_says_how_to_build_it(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RETRIEVAL_SPEC_CACHE", str(tmp_path))
     with pytest.raises(DenseDatastoreError, match="datastore build-dense --recipe python-code-dense --model"):
         open_dense_datastore_for_model("python-code-dense", model_dir)
-    for name in ("python-code-dense", "code-large-dense"):
+    for name in ("python-code-dense", "python-code-dense-long", "code-large-dense"):
         DenseBuildOptions.from_mapping(recipe_dense_section(name), name).check()
         assert load_recipe(name).inputs
 
