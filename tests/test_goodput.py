@@ -16,7 +16,7 @@ from vllm_retrieval_spec.goodput import (
 )
 from vllm_retrieval_spec.goodput.budget import RequestFactors
 from vllm_retrieval_spec.goodput.chooser import main_paths
-from vllm_retrieval_spec.goodput.paths import node_depths, path_products
+from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
@@ -194,7 +194,7 @@ def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
     """Two rows whose trees fork at the root: branches pay only where tree attention is cheap."""
     parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
     chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
-    main = main_paths(parents, np.full(2, 4))
+    main = main_paths(parents, first_children(parents, np.full(2, 4)))
     assert main.tolist() == [[True, False, True, False]] * 2
     candidates = NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([500, 500]))
     cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
@@ -210,7 +210,7 @@ def test_branches_over_long_contexts_cost_more():
     main path only, the short one branches."""
     parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
     chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
-    main = main_paths(parents, np.full(2, 4))
+    main = main_paths(parents, first_children(parents, np.full(2, 4)))
     model = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.004, 0.0, 0.0, 0.0), prior_steps=1e9)
     keep = choose_nodes(NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([100, 8000])),
                         model, 0.0, 0.0).keep
@@ -366,7 +366,7 @@ def test_walks_up_the_trees_equal_brute_force(seed, layout):
     depth, product, main = brute_force_paths(parents, size, chance)
     np.testing.assert_array_equal(node_depths(parents), depth)
     np.testing.assert_allclose(path_products(chance, parents), product, rtol=1e-12)
-    np.testing.assert_array_equal(main_paths(parents, size), main)
+    np.testing.assert_array_equal(main_paths(parents, first_children(parents, size)), main)
 
 
 def trained_budget(source: int, match_len: int, raw_prob: float, rate: float) -> GoodputBudget:

@@ -233,7 +233,8 @@ class GoodputBudget:
         depth = node_depths(nodes.parents)
         bucket = self.calibration.buckets(nodes, depth)
         factor = self.factors.factor(self.factors.slots_of(req_ids))
-        branch = valid & ~first_children(nodes.parents, nodes.size) if trees else np.zeros_like(valid)
+        first_child = first_children(nodes.parents, nodes.size) if trees else valid
+        branch = valid & ~first_child
         branch_factor = self.branches.factor
         if trees:
             self.branches.tick()
@@ -242,7 +243,7 @@ class GoodputBudget:
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
         candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
-                                    main_paths(nodes.parents, nodes.size) if trees else None, samples, context_tokens)
+                                    main_paths(nodes.parents, first_child) if trees else None, samples, context_tokens)
         choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
         self.calibration.tick()
         self.stats.steps += 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel, tree_work
-from vllm_retrieval_spec.goodput.paths import first_children, fold_paths
+from vllm_retrieval_spec.goodput.paths import fold_paths
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,10 @@ def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
                   (1.0 + margin) * cost.per_token * _rate(best))
 
 
-def main_paths(parents: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """Per row, the chain from the root through each node's first child (``[rows, N]`` mask)."""
-    return fold_paths(first_children(parents, size), parents, np.logical_and)
+def main_paths(parents: np.ndarray, first_child: np.ndarray) -> np.ndarray:
+    """Per row, the chain from the root through each node's first child (``[rows, N]`` mask;
+    ``first_child``: :func:`~vllm_retrieval_spec.goodput.paths.first_children`)."""
+    return fold_paths(first_child, parents, np.logical_and)
 
 
 def _rate(choice: Choice) -> float:
