@@ -56,6 +56,37 @@ def test_tree_rows_take_the_row_of_the_last_accepted_node():
     assert session.step_hidden_states[:, 0].tolist() == [4.0, 6.0]
 
 
+class RecordedStates:
+    """Stands in for a learned dense index: what :meth:`record_states` was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], list[int], list[float]]] = []
+
+    def record_states(self, owners, positions, states) -> None:
+        self.calls.append((list(owners), positions.tolist(), states[:, 0].tolist()))
+
+
+def test_the_learned_index_gets_the_state_of_every_sampled_token_at_its_position():
+    """Chain mode: request 0 (3 drafts, rows 0-3) sampled 3 tokens, now at positions 7-9 of 10;
+    request 1 (rows 4-5) sampled 1 at position 4; request 2 (row 6) sampled nothing."""
+    session = session_after_step()
+    session.learned_dense = RecordedStates()
+    session.begin_step(["a", "b", "c"])
+    hidden = torch.arange(7, dtype=torch.float32)[:, None]
+    session.keep_hidden_states(hidden, [3, 1, 0], [[1, 2, 3], [4], []], np.array([10, 5, 3]))
+    assert session.learned_dense.calls == [(["a", "a", "a", "b"], [7, 8, 9, 4], [0.0, 1.0, 2.0, 4.0])]
+
+
+def test_in_tree_mode_the_learned_index_gets_the_states_of_the_accepted_path():
+    session = session_after_step(step=5)
+    session.learned_dense = RecordedStates()
+    session.begin_step(["a", "b"])
+    session._accepted_paths = (5, np.array([[0, 3, -1], [-1, -1, -1]]), np.array([2, 0]))
+    hidden = torch.arange(10, dtype=torch.float32)[:, None]
+    session.keep_hidden_states(hidden, [5, 3], [[1, 2, 3], [4]], np.array([20, 8]))
+    assert session.learned_dense.calls == [(["a", "a", "a", "b"], [17, 18, 19, 7], [0.0, 1.0, 4.0, 6.0])]
+
+
 @pytest.fixture(scope="module")
 def dense_store(model_dir, tmp_path_factory) -> Path:
     """A real dense store over a few standard-library modules (a few thousand positions)."""
@@ -104,15 +135,18 @@ def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_
     assert learned.num_positions > 0  # the first run's requests taught it (vLLM reports the last ones a step later)
 
 
-def test_the_proposer_and_the_learned_index_see_the_hidden_state_of_a_plain_forward(model_dir, dense_store,
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_the_proposer_and_the_learned_index_see_the_hidden_state_of_a_plain_forward(tree, model_dir, dense_store,
                                                                                      e2e_prompts):
     """At every drafting call, the state given for a row is the one a plain transformers forward
     of the row's tokens gives at the position that produced its last token; the learned index
-    keeps that state's key with the tokens the request went on to generate."""
+    gets the state of every generated token (accepted drafts included) and keeps its key with
+    the tokens the request went on to generate."""
     seen: list[tuple[np.ndarray, np.ndarray]] = []
     recorded: list[tuple[str, int, np.ndarray]] = []
     finished: dict[str, np.ndarray] = {}
-    options = {"dense_datastore": str(dense_store), "budget": "fixed", "dense_learned_positions": 65_536}
+    options = {"dense_datastore": str(dense_store), "budget": "fixed", "dense_learned_positions": 65_536,
+               "tree": tree}
     spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": 8},
                       {"retrieval_spec": options}, max_num_seqs=4)
     with running_engine(spec) as llm:
@@ -135,8 +169,12 @@ def test_the_proposer_and_the_learned_index_see_the_hidden_state_of_a_plain_forw
             finish(tokens)
 
         drafter.dense.continuations, learned.record, learned.finish = recording, recording_keys, finishing
-        generate(llm, e2e_prompts[:4], 24, concurrency=4)
-    assert len(seen) >= 16
+        run = generate(llm, e2e_prompts[:4], 24, concurrency=4)
+    assert len(seen) >= 16 and run.counters.accepted_tokens > 0
+    prompt_lengths = {tuple(r.prompt_ids + r.output_ids): len(r.prompt_ids) for r in run.records}
+    for owner, tokens in finished.items():  # the runner's tokens: past max_tokens when a last step accepted more
+        prompt_length = next(n for ids, n in prompt_lengths.items() if tokens.tolist()[:len(ids)] == list(ids))
+        assert sorted(p for o, p, _ in recorded if o == owner) == list(range(prompt_length, len(tokens)))
     model = load_target_model(model_dir)
     for ids, state in seen[::max(1, len(seen) // 24)]:
         with torch.inference_mode():

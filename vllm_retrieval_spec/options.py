@@ -188,7 +188,7 @@ class RetrievalSpecOptions:
     )
     dense_learned_positions: int = _option(
         0, _int_in(0, 2**26),
-        "DReSD, Hybrid: also learn a dense index from served traffic (the key of each drafted-for position and "
+        "DReSD, Hybrid: also learn a dense index from served traffic (the key of each generated position and "
         "the tokens that followed it, once its request finishes), keeping at most this many positions in memory "
         "(oldest evicted first; dim x 4 + value_tokens x 4 bytes each); 0: off",
     )

@@ -1,8 +1,8 @@
 """DReSD's in-distribution store learned from served traffic (issue 25): while a request runs,
-the key of the hidden state that produced each token it was drafted for (the dense datastore's
-transform of the target's own state, which the session holds anyway) waits with its position;
-when the request finishes, every such key whose next ``value_tokens`` tokens the request
-generated joins an in-memory FAISS index with those tokens as its value. No extra forward pass.
+the key of the hidden state that produced each token it generated (the dense datastore's
+transform of the target's own state, which the verifying step computed anyway) waits with its
+position; when the request finishes, every such key whose next ``value_tokens`` tokens the
+request generated joins an in-memory FAISS index with those tokens as its value. No extra forward pass.
 
 Memory is bounded: keys wait in a ring of ``pending_capacity`` (an older key of a long request is
 overwritten), and the index holds at most ``capacity`` positions in two generations of half
@@ -97,6 +97,13 @@ class LearnedDenseIndex:
         self._pending_positions[slots] = positions[-keep:]
         self._pending_owner[slots] = list(owners[-keep:])
         self._cursor = int(slots[-1] + 1) % len(self._pending_owner)
+
+    def record_states(self, owners: Sequence[str], positions: np.ndarray, states: np.ndarray) -> None:
+        """:meth:`record` the keys of the target's hidden states ``states`` (``[B, hidden]``) in
+        the key space of ``key_store``."""
+        if self.key_store is None:
+            raise ValueError("recording hidden states needs the dense datastore whose transform makes the keys")
+        self.record(owners, positions, self.key_store.keys_of(states))
 
     def finish(self, finished: Mapping[str, np.ndarray]) -> None:
         """Requests that finished, with their tokens (prompt and output): their waiting keys whose

@@ -301,7 +301,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
             session.begin_step(batch.req_ids, scheduler_output.total_num_scheduled_tokens,
                                batch.temperature_cpu[: batch.num_reqs] > 0, sum(drafts or ()))
             if reads_hidden_states:
-                session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids)
+                session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids,
+                                           batch.num_tokens_no_spec[: batch.num_reqs])
             try:
                 return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)

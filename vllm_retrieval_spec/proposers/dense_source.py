@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-LEARNED_PENDING_KEYS = 16_384  # keys of running requests the learned index keeps waiting at most
+LEARNED_PENDING_KEYS = 65_536  # keys of running requests' tokens the learned index keeps waiting at most
 
 
 @dataclass
@@ -79,8 +79,8 @@ class DenseSource:
 
     def continuations(self, batch: DraftBatch, session: DraftSession) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``rest_retrieve``'s ``dense`` argument: the continuations after the sampled token
-        (``[rows, k, N - 1]``) of the store's neighbours and then the session's learned index's
-        (which learns this step's keys), their lengths (``N - 1`` where the neighbour predicted the
+        (``[rows, k, N - 1]``) of the store's neighbours and then the session's learned index's,
+        their lengths (``N - 1`` where the neighbour predicted the
         sampled token, else 0) and, as the source's match length, how many neighbours did
         (``[rows]``)."""
         keys = self.store.keys_of(session.step_hidden_states[batch.rows].float().cpu().numpy())
@@ -89,8 +89,6 @@ class DenseSource:
         if learned is not None:
             _, learned_values = learned.search(keys, self.learned_neighbours)
             values = np.concatenate([values, learned_values], axis=1)
-            req_ids = session.step_req_ids
-            learned.record([req_ids[row] for row in batch.rows.tolist()], batch.num_tokens[batch.rows] - 1, keys)
         last = batch.token_ids[batch.rows, batch.num_tokens[batch.rows] - 1]
         agree = values[:, :, 0] == last[:, None]
         return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),

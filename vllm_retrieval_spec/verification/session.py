@@ -151,26 +151,42 @@ class SpecSession:
             self.metrics.publish(self._draft_seconds)
 
     def keep_hidden_states(self, sample_hidden_states: torch.Tensor, num_draft_tokens: Sequence[int] | None,
-                           sampled_token_ids: Sequence[Sequence[int]]) -> None:
-        """For drafters that read the target's last hidden state (DReSD): keep, per input-batch
-        row, the hidden state that produced the row's last sampled token (``[rows, hidden]``,
-        on the model's device; rows that sampled nothing keep an arbitrary one).
-        ``sample_hidden_states`` holds one row per request without drafts, ``n + 1`` with ``n``
-        drafts; in tree mode the producing row is the last accepted node's, not the ``k``-th."""
+                           sampled_token_ids: Sequence[Sequence[int]], num_tokens: np.ndarray | None = None) -> None:
+        """For drafters that read the target's hidden states (DReSD): keep, per input-batch row,
+        the hidden state that produced the row's last sampled token (``[rows, hidden]``, on the
+        model's device; rows that sampled nothing keep an arbitrary one), and with a learned
+        dense index and the rows' token counts ``num_tokens`` (sampled tokens included), hand it
+        the state of every token sampled this step."""
+        producers, sampled = self._producing_rows(num_draft_tokens, sampled_token_ids)
+        rows = np.arange(len(sampled))
+        last = producers[rows, np.maximum(sampled, 1) - 1]
+        self.step_hidden_states = sample_hidden_states[torch.from_numpy(last).to(sample_hidden_states.device)]
+        if self.learned_dense is not None and num_tokens is not None and sampled.any():
+            row, column = np.nonzero(np.arange(producers.shape[1]) < sampled[:, None])
+            states = sample_hidden_states[torch.from_numpy(producers[row, column]).to(sample_hidden_states.device)]
+            positions = np.asarray(num_tokens, np.int64)[row] - sampled[row] + column
+            self.learned_dense.record_states([self.step_req_ids[r] for r in row.tolist()], positions,
+                                             states.float().cpu().numpy())
+
+    def _producing_rows(self, num_draft_tokens: Sequence[int] | None,
+                        sampled_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """``[rows, width]``: the row of ``sample_hidden_states`` that produced each row's ``j``-th
+        sampled token (valid for ``j`` below the row's count, the second array). It holds one row
+        per request without drafts, ``n + 1`` with ``n`` drafts; in tree mode token ``j > 0`` was
+        produced by the ``j``-th accepted node's row, not the ``j``-th."""
         rows = len(sampled_token_ids)
         sampled = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=rows)
-        offsets = np.maximum(sampled, 1) - 1
         if num_draft_tokens is None:
-            starts = np.arange(rows, dtype=np.int64)
-        else:
-            per_request = np.asarray(num_draft_tokens, dtype=np.int64)[:rows] + 1
-            starts = np.concatenate([[0], np.cumsum(per_request)[:-1]])
-            if self._accepted_paths is not None and self._accepted_paths[0] == self.step - 1:
-                _, path_nodes, num_accepted = self._accepted_paths
-                last = np.take_along_axis(path_nodes, np.maximum(num_accepted - 1, 0)[:, None], axis=1)[:, 0]
-                offsets[: len(num_accepted)] = np.where(num_accepted > 0, last + 1, 0)[:rows]
-        index = torch.from_numpy(starts + offsets).to(sample_hidden_states.device)
-        self.step_hidden_states = sample_hidden_states[index]
+            return np.arange(rows, dtype=np.int64)[:, None], np.minimum(sampled, 1)
+        width = max(int(sampled.max(initial=0)), 1)
+        offsets = np.tile(np.arange(width, dtype=np.int64), (rows, 1))
+        per_request = np.asarray(num_draft_tokens, dtype=np.int64)[:rows] + 1
+        starts = np.concatenate([[0], np.cumsum(per_request)[:-1]])
+        if self._accepted_paths is not None and self._accepted_paths[0] == self.step - 1:
+            _, path_nodes, _ = self._accepted_paths
+            tree_rows, depth = min(len(path_nodes), rows), min(width - 1, path_nodes.shape[1])
+            offsets[:tree_rows, 1:1 + depth] = path_nodes[:tree_rows, :depth] + 1
+        return starts[:, None] + offsets, sampled
 
     def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
         """This step's trees by input-batch row (tree mode, or rows whose candidates were drawn
