@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,8 +54,6 @@ def gemma_dir() -> Path:
 
 def stdlib_inputs(packages: tuple[str, ...]) -> list[InputSpec]:
     """The ``packages`` of the interpreter's standard library, without their tests."""
-    import sysconfig
-
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -74,6 +73,21 @@ def code_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     """A real code datastore for end-to-end tests: part of the interpreter's standard library."""
     packages = ("json", "email", "asyncio", "collections", "importlib", "unittest")
     return build_stdlib_store(model_dir, tmp_path_factory.mktemp("datastores") / "stdlib-subset", packages)
+
+
+@pytest.fixture(scope="session")
+def dense_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real dense store over a few standard-library modules (a few thousand positions)."""
+    from vllm_retrieval_spec.datastores.dense_builder import DenseBuildOptions, build_dense_datastore
+    from vllm_retrieval_spec.datastores.sources import InputSpec
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path_factory.mktemp("dresd-corpus")
+    for name in ("bisect.py", "heapq.py", "textwrap.py"):
+        (corpus / name).write_text((stdlib / name).read_text())
+    out = tmp_path_factory.mktemp("dresd-store") / "store"
+    build_dense_datastore(model_dir, [InputSpec(corpus)], out, DenseBuildOptions(), progress=False)
+    return out
 
 
 TINY_SOURCE = "def add(a, b):\n    return a + b\n"

@@ -163,3 +163,35 @@ def test_stores_from_the_real_servers_answers(model_dir, tmp_path):
     assert any((tokens[i:i + len(ids)] == ids).all() for i in np.flatnonzero(tokens == ids[0]))
     dense = DenseDatastore.open(tmp_path / "store-dense")
     assert dense.num_positions > 64 and "built" in done.stdout
+
+
+def test_without_a_url_the_dense_store_holds_the_states_captured_while_answering(model_dir, dense_store, tmp_path):
+    """A server started here answers with DReSD and captures the key of every generated token:
+    the dense store (in ``--dense-keys``' key space) holds the answers' positions with the tokens
+    that followed them, and a rerun with everything answered starts no server."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in (
+        "def is_even(n):\n    \"\"\"Return True when n is even.\"\"\"\n",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "class Stack:\n    \"\"\"A stack with push, pop and peek.\"\"\"\n")))
+    out = tmp_path / "store"
+    args = ("--prompts", str(prompts), "--out", str(out), "--model", str(model_dir), "--max-tokens", "32",
+            "--dense", "--dense-keys", str(dense_store), "--concurrency", "3")
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert "captured while answering" in done.stdout
+    captured, keys = DenseDatastore.open(tmp_path / "store-dense"), DenseDatastore.open(dense_store)
+    assert captured.num_positions >= 3 * (32 - captured.value_tokens)
+    assert np.array_equal(captured.transform.components, keys.transform.components)
+    answers = [json.loads(line)["text"] for line in (tmp_path / "store.transcripts.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(model_dir)
+    answer_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in answers]
+    found = [any(_holds(ids, row) for ids in answer_ids) for row in np.asarray(captured.values).tolist()]
+    assert np.mean(found) > 0.9  # re-tokenizing the text may split a boundary token differently
+    again = cli(*args, "--replace")
+    assert again.returncode == 0, again.stderr
+    assert "starting" not in again.stdout and "3 before" in again.stdout
+
+
+def _holds(ids: list[int], row: list[int]) -> bool:
+    return any(ids[i:i + len(row)] == row for i in range(len(ids) - len(row) + 1))

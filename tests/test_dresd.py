@@ -3,7 +3,6 @@ DReSDProposer and HybridProposer in the real engine: lossless, drafting from den
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +10,9 @@ import pytest
 import torch
 
 from vllm_retrieval_spec.datastores.dense_builder import (
-    DenseBuildOptions,
-    build_dense_datastore,
     last_hidden_states,
     load_target_model,
 )
-from vllm_retrieval_spec.datastores.sources import InputSpec
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.verification.session import SpecSession
@@ -85,18 +81,6 @@ def test_in_tree_mode_the_learned_index_gets_the_states_of_the_accepted_path():
     hidden = torch.arange(10, dtype=torch.float32)[:, None]
     session.keep_hidden_states(hidden, [5, 3], [[1, 2, 3], [4]], np.array([20, 8]))
     assert session.learned_dense.calls == [(["a", "a", "a", "b"], [17, 18, 19, 7], [0.0, 1.0, 4.0, 6.0])]
-
-
-@pytest.fixture(scope="module")
-def dense_store(model_dir, tmp_path_factory) -> Path:
-    """A real dense store over a few standard-library modules (a few thousand positions)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    corpus = tmp_path_factory.mktemp("dresd-corpus")
-    for name in ("bisect.py", "heapq.py", "textwrap.py"):
-        (corpus / name).write_text((stdlib / name).read_text())
-    out = tmp_path_factory.mktemp("dresd-store") / "store"
-    build_dense_datastore(model_dir, [InputSpec(corpus)], out, DenseBuildOptions(), progress=False)
-    return out
 
 
 def lossless_drafter(model_dir: Path, proposer: str, options: dict, tree: bool, prompts: list[str],

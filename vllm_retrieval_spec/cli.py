@@ -9,7 +9,8 @@
 - ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
   (or a recipe in ``datastores/``), and check one; ``add / remove``: grow or shrink a sharded
   store in place (a running server picks the change up); ``build-dense``: a DReSD store;
-  ``from-server``: stores from a running server's answers to a prompt file.
+  ``from-server``: stores from a server's answers to a prompt file (a running one, or one started
+  here that captures DReSD's keys as it answers).
 - ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
 - ``doctor``: check the installation (vLLM version, extension backends, conflicting packages).
 
@@ -27,6 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from vllm_retrieval_spec.proposers.registry import PACKAGE, PROPOSERS, names_this_package, registered_proposer
@@ -41,7 +43,7 @@ EXIT_BAD_INPUT = 2  # as argparse's usage errors
 EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}\''
 
 
-SNAPSHOT_SHUTDOWN_SECONDS = 30  # vLLM's wait for its workers at shutdown when the output index is saved
+SNAPSHOT_SHUTDOWN_SECONDS = 30  # vLLM's wait for its workers at shutdown when snapshots are saved
 
 
 class CommandLineError(ValueError):
@@ -54,11 +56,12 @@ def serve(vllm_args: Sequence[str]) -> None:
 
 
 def _serve_command(vllm_args: Sequence[str]) -> list[str]:
-    """vLLM's command line for ``serve`` after :func:`check_serve`: with ``output_index_path``
-    and no ``--shutdown-timeout``, SNAPSHOT_SHUTDOWN_SECONDS for the workers to save the output
-    index when the server stops (vLLM's default, 0, kills them at once)."""
+    """vLLM's command line for ``serve`` after :func:`check_serve`: with ``output_index_path`` or
+    ``dense_learned_path`` and no ``--shutdown-timeout``, SNAPSHOT_SHUTDOWN_SECONDS for the
+    workers to save their snapshots when the server stops (vLLM's default, 0, kills them at once)."""
     options = check_serve(vllm_args)
-    if not options.output_index_path or _flag_value(vllm_args, "--shutdown-timeout") is not None:
+    saves = options.output_index_path or options.dense_learned_path
+    if not saves or _flag_value(vllm_args, "--shutdown-timeout") is not None:
         return ["serve", *vllm_args]
     return ["serve", *vllm_args, "--shutdown-timeout", str(SNAPSHOT_SHUTDOWN_SECONDS)]
 
@@ -318,9 +321,14 @@ def _datastore_build_dense(args: argparse.Namespace) -> None:
 
 
 def _datastore_from_server(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.datastores.from_server import run_from_server
+    from vllm_retrieval_spec.datastores.from_server import FromServerPlan, run_from_server
+    from vllm_retrieval_spec.evaluation.capture import answering_server
 
-    run_from_server(args)
+    def start_server(plan: FromServerPlan, capacity: int) -> AbstractContextManager[str]:
+        return answering_server(args.model, max_model_len=args.max_model_len, states=plan.states,
+                                capacity=capacity, dense_keys=args.dense_keys)
+
+    run_from_server(args, start_server)
 
 
 def _datastore_inspect(args: argparse.Namespace) -> None:
@@ -435,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_retrieval_spec.datastores.from_server import add_from_server_arguments
 
     from_server = datastore_commands.add_parser(
-        "from-server", help="in-distribution stores: a prompt file answered by a running server, then built")
+        "from-server",
+        help="in-distribution stores: a prompt file answered by a server (running, or started here), then built")
     add_from_server_arguments(from_server)
     from_server.set_defaults(handler=_datastore_from_server)
 

@@ -191,7 +191,7 @@ def build_dense_datastore(
         forward_start = time.perf_counter()
         transform, fit_info = compute_keys(model, corpus, windows, options, tmp / KEYS_SCRATCH, progress)
         forward_seconds = time.perf_counter() - forward_start
-        spec = _write_index(tmp, windows.num_positions, options)
+        spec = write_index(tmp, windows.num_positions, options)
         manifest = finish_dense_store(
             tmp, transform, spec, windows.num_positions, options.value_tokens, identity, fit_info,
             _build_info(model_dir, inputs, options, corpus, stream, start, forward_seconds, windows, extra_build_info),
@@ -229,7 +229,7 @@ def finish_dense_store(directory: Path, transform: DenseTransform, spec: IndexSp
     return manifest
 
 
-def _write_index(directory: Path, num_positions: int, options: DenseBuildOptions) -> Any:
+def write_index(directory: Path, num_positions: int, options: DenseBuildOptions) -> Any:
     """Index the scratch keys, write ``index.faiss`` and delete the scratch file; the index spec."""
     import faiss
 

@@ -3,7 +3,9 @@ OpenAI-compatible server (the asynchronous client, retries, a progress bar), the
 transcripts appended to a JSONL file as they arrive (a rerun asks only what is missing), then a
 REST store, and with ``--dense`` a DReSD store, built from the current prompts' transcripts (each
 once, in prompt order: a changed prompt's old answer, a repeat and a killed run's torn line stay in
-the file but out of the stores)."""
+the file but out of the stores). Without ``--url`` the command starts this package's server
+itself, and the dense store holds the hidden states it captured while answering (every generated
+position, no forward pass; the prompts' positions are not in it)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import asyncio
 import hashlib
 import json
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
 RETRY_BASE_SECONDS = 0.5  # waits 0.5, 1, 2, ... seconds between tries
+CAPTURE_OVERSHOOT = 64  # positions a captured answer may hold past --max-tokens (a last step's accepted drafts)
 ACCEPTED_FORMS = 'a JSON object with "messages" (a list of {"role": str, "content": str}) or "prompt" (a string)'
 
 
@@ -268,16 +273,34 @@ def served_model_name(url: str) -> str:
 
 @dataclass
 class FromServerPlan:
-    """Where the transcripts and the stores go."""
+    """Where the transcripts and the stores go; ``states``: where the server started here saves
+    the hidden states it captures (``--dense`` without ``--url``)."""
 
     out: Path
     transcripts: Path
     dense_out: Path | None = None
+    states: Path | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> FromServerPlan:
+        transcripts = args.transcripts or args.out.with_name(f"{args.out.name}.transcripts.jsonl")
+        if not args.dense:
+            return cls(args.out, transcripts)
+        dense_out = args.dense_out or args.out.with_name(f"{args.out.name}-dense")
+        return cls(args.out, transcripts, dense_out,
+                   None if args.url else dense_out.with_name(f"{dense_out.name}.states"))
+
+
+# A server started here for the plan, learning at most so many positions: a context manager
+# yielding its base URL (``evaluation.capture.answering_server``).
+ServerStarter = Callable[[FromServerPlan, int], AbstractContextManager[str]]
 
 
 def add_from_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``datastore from-server``."""
-    parser.add_argument("--url", required=True, help="base URL of a running OpenAI-compatible server")
+    parser.add_argument("--url", help="base URL of a running OpenAI-compatible server (default: start "
+                        "vllm-retrieval-spec serve MODEL here; with --dense it captures the hidden states as it "
+                        "answers instead of a second forward pass over the transcripts)")
     parser.add_argument("--prompts", required=True, type=Path,
                         help='JSONL: one {"messages": [...]} or {"prompt": "..."} per line')
     parser.add_argument("--out", required=True, type=Path, help="REST datastore directory to build")
@@ -285,6 +308,11 @@ def add_from_server_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --dense the model whose hidden states are the keys)")
     parser.add_argument("--dense", action="store_true", help="also build a dense (DReSD) store")
     parser.add_argument("--dense-out", type=Path, help="dense store directory (default: OUT-dense)")
+    parser.add_argument("--dense-keys", default="python-code-dense",
+                        help="without --url: the dense datastore (directory or recipe) whose transform makes the "
+                        "captured keys (default python-code-dense)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="without --url: the started server's longest prompt + answer (default 2048)")
     parser.add_argument("--transcripts", type=Path,
                         help="answers JSONL, appended as they arrive; a rerun resumes (default: OUT.transcripts.jsonl)")
     parser.add_argument("--model-name", help="served model name (default: the server's first)")
@@ -295,27 +323,29 @@ def add_from_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replace", action="store_true", help="rebuild existing stores (our stores only)")
 
 
-def run_from_server(args: argparse.Namespace) -> None:
-    """Collect the answers, then build the store(s) from the transcripts."""
+def run_from_server(args: argparse.Namespace, start_server: ServerStarter | None = None) -> None:
+    """Collect the answers (from ``--url``, or a server ``start_server`` starts), then build the
+    store(s) from the transcripts (the dense one from the captured states when there are any)."""
     from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE
     from vllm_retrieval_spec.datastores.format import DATASTORE
     from vllm_retrieval_spec.storage import MODEL_FILES, TOKENIZER_FILES, check_build_target, local_model_dir
     from vllm_retrieval_spec.validation import require_ints
 
     require_ints({"--concurrency": (args.concurrency, 1, None), "--max-tokens": (args.max_tokens, 1, None),
-                  "--retries": (args.retries, 0, None)})
+                  "--retries": (args.retries, 0, None), "--max-model-len": (args.max_model_len, 2, None)})
     if not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.url is None and start_server is None:
+        raise ValueError("--url: give the base URL of a running OpenAI-compatible server")
     local_model_dir(args.model, "--model", MODEL_FILES if args.dense else TOKENIZER_FILES)
-    plan = FromServerPlan(args.out, args.transcripts or args.out.with_name(f"{args.out.name}.transcripts.jsonl"),
-                          (args.dense_out or args.out.with_name(f"{args.out.name}-dense")) if args.dense else None)
+    plan = FromServerPlan.of(args)
     records = read_prompt_file(args.prompts)
     check_build_target(plan.out, args.replace, DATASTORE)  # before minutes of answers
     if plan.dense_out is not None:
         check_build_target(plan.dense_out, args.replace, DENSE_DATASTORE)
-    settings = AskSettings(args.model_name or served_model_name(args.url), args.max_tokens, args.temperature,
-                           args.concurrency, args.retries)
-    report = asyncio.run(collect_transcripts(args.url, records, plan.transcripts, settings))
+    start = time.perf_counter()
+    report = _collect(args, plan, records, start_server)
+    answer_seconds = time.perf_counter() - start
     print(f"{plan.transcripts}: {report.answered} answered now, {report.already} before, {report.failed} failed "
           f"of {report.total} prompts")
     if report.failed:
@@ -328,19 +358,45 @@ def run_from_server(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix=".from-server-", dir=plan.transcripts.parent) as tmp:
         current = Path(tmp) / f"{plan.transcripts.stem}.current.jsonl"  # ends .jsonl: read as records
         selection.write(plan.transcripts, current)
-        build_stores(args, plan, current)
+        build_stores(args, plan, current, answer_seconds)
 
 
-def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path) -> None:
-    """The REST store, and the dense one, from ``current``: the current prompts' transcripts."""
+def _collect(args: argparse.Namespace, plan: FromServerPlan, records: Sequence[PromptRecord],
+             start_server: ServerStarter | None) -> CollectReport:
+    """Ask what is missing from the transcripts: of ``--url``, or of a server started for the
+    run (none when nothing is missing)."""
+    missing = len({(r.index, r.key) for r in records} - answered(plan.transcripts))
+    if args.url:
+        server: AbstractContextManager[str] = nullcontext(args.url)
+    elif missing:
+        server = start_server(plan, len(records) * (args.max_tokens + CAPTURE_OVERSHOOT))
+    else:
+        return CollectReport(total=len(records), already=len(records))
+    with server as url:
+        settings = AskSettings(args.model_name or served_model_name(url), args.max_tokens, args.temperature,
+                               args.concurrency, args.retries)
+        return asyncio.run(collect_transcripts(url, records, plan.transcripts, settings))
+
+
+def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path, answer_seconds: float) -> None:
+    """The REST store, and the dense one, from ``current``: the current prompts' transcripts
+    (the dense one from the captured states when the server was started here)."""
     from vllm_retrieval_spec.datastores.builder import build_datastore
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
     inputs = [InputSpec(current)]
-    extra = {"from_server": {"url": args.url, "prompts": str(args.prompts), "transcripts": str(plan.transcripts),
-                             "max_tokens": args.max_tokens, "temperature": args.temperature}}
+    extra = {"from_server": {"url": args.url or "started here", "prompts": str(args.prompts),
+                             "transcripts": str(plan.transcripts), "max_tokens": args.max_tokens,
+                             "temperature": args.temperature}}
     print(build_datastore(args.model, inputs, plan.out, replace=args.replace, extra_build_info=extra).describe())
-    if plan.dense_out is not None:
+    if plan.states is not None:
+        from vllm_retrieval_spec.datastores.learned_snapshot import build_from_snapshot
+
+        manifest = build_from_snapshot(plan.states, plan.dense_out, replace=args.replace, extra_build_info=extra)
+        print(f"{plan.dense_out}: {manifest.num_positions:,} positions captured while answering "
+              f"({manifest.num_positions / max(answer_seconds, 1e-9):,.0f} a second of this run), "
+              f"{manifest.bytes_per_position} bytes a position, {manifest.index.describe()}")
+    elif plan.dense_out is not None:
         from vllm_retrieval_spec.datastores.dense_builder import build_dense_datastore
         from vllm_retrieval_spec.datastores.dense_cli import describe_build
 

@@ -16,15 +16,23 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from vllm_retrieval_spec.datastores.dense import DenseDatastore
-from vllm_retrieval_spec.datastores.dense_builder import finish_dense_store
-from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE, INDEX, VALUES, IndexSpec
+from vllm_retrieval_spec.datastores.dense_builder import (
+    KEYS_SCRATCH,
+    DenseBuildOptions,
+    finish_dense_store,
+    write_index,
+)
+from vllm_retrieval_spec.datastores.dense_format import DENSE_DATASTORE, INDEX, VALUES, DenseManifest, IndexSpec
 from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 from vllm_retrieval_spec.datastores.output_snapshot import PeriodicSaves, next_snapshot, snapshot_dirs
+from vllm_retrieval_spec.storage import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,27 @@ def load_learned(index: LearnedDenseIndex, path: Path, store: DenseDatastore) ->
                                    f"{store.path}; serve that one, or point dense_learned_path elsewhere")
     index.restore(snapshot.index.reconstruct_n(0, snapshot.num_positions), np.asarray(snapshot.values))
     return snapshot.num_positions
+
+
+def build_from_snapshot(path: Path, out_dir: Path, *, replace: bool = False,
+                        extra_build_info: dict[str, Any] | None = None) -> DenseManifest:
+    """A dense datastore at ``out_dir`` of every position of the newest snapshot under ``path``
+    (keys captured while serving, no forward pass), indexed as ``datastore build-dense`` indexes
+    its keys (an inverted-list index past ``FLAT_MAX_POSITIONS``); its manifest."""
+    saved = snapshot_dirs(path)
+    if not saved:
+        raise DENSE_DATASTORE.fail(f"{path} holds no captured states (no snapshot-NNNNNNNN directory)")
+    snapshot = DenseDatastore.open(saved[-1])
+    snapshot.check_fully()
+    options = DenseBuildOptions(value_tokens=snapshot.value_tokens, dim=snapshot.manifest.dim)
+    with atomic_directory(out_dir, replace=replace, kind=DENSE_DATASTORE) as tmp:
+        np.asarray(snapshot.values).tofile(tmp / VALUES)
+        snapshot.index.reconstruct_n(0, snapshot.num_positions).tofile(tmp / KEYS_SCRATCH)
+        spec = write_index(tmp, snapshot.num_positions, options)
+        return finish_dense_store(tmp, snapshot.transform, spec, snapshot.num_positions, snapshot.value_tokens,
+                                  snapshot.manifest.model, snapshot.manifest.transform,
+                                  {**snapshot.manifest.build, "captured_states": str(saved[-1]),
+                                   "options": asdict(options), **(extra_build_info or {})})
 
 
 class LearnedDenseSnapshots(PeriodicSaves):

@@ -1,0 +1,41 @@
+"""``datastore from-server`` without ``--url``: this package's own server answers the prompts,
+and with ``--dense`` DReSD's learned index captures the target's hidden state of every generated
+token while it answers (issue 25: no second forward pass over the transcripts), saved as
+snapshots under ``states`` at shutdown (and every ``output_index_save_seconds``, so a killed run
+resumes with what it captured) that the dense store is then built from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
+
+CAPTURE_DRAFT_TOKENS = 8  # DReSD's drafts while answering (lossless: the answers are the model's own)
+LEARNED_POSITIONS_MAX = 2**26  # dense_learned_positions' upper bound
+
+
+@contextmanager
+def answering_server(model: str | Path, *, max_model_len: int, states: Path | None = None,
+                     capacity: int = 0, dense_keys: str = "") -> Iterator[str]:
+    """``vllm-retrieval-spec serve MODEL`` here, stopped on exit; its base URL. With ``states``:
+    DReSD over the dense datastore ``dense_keys`` (whose transform makes the keys), learning up to
+    ``capacity`` positions and saving them under ``states``."""
+    speculative = additional = None
+    if states is not None:
+        speculative = {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": CAPTURE_DRAFT_TOKENS}
+        additional = {"retrieval_spec": {"dense_datastore": dense_keys, "dense_learned_path": str(states),
+                                         "dense_learned_positions": min(max(capacity, 2), LEARNED_POSITIONS_MAX)}}
+    server = VllmServer(model, speculative_config=speculative, additional_config=additional,
+                        max_model_len=max_model_len)
+    print(f"starting vllm-retrieval-spec serve {model} (log: {server.log_path}) ...", flush=True)
+    try:
+        server.start()
+    except ServerError as error:
+        first = next((line for line in str(error).splitlines() if "Error" in line), str(error).splitlines()[0])
+        raise ValueError(f"the server did not start ({first.strip()}); see {server.log_path}") from error
+    try:
+        yield server.base_url
+    finally:
+        server.stop()
