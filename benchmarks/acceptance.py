@@ -74,6 +74,16 @@ LEARNED_DENSE_DIR = cache_root() / "learned-dense" / "acceptance"  # dresd_learn
 INDIST_DENSE_STORE = cache_root() / "dense-datastores" / "stdlib-answers-dense"
 
 
+ANSWER_STORE_PROMPTS = (320, 1280, 2062)  # prompts answered for each store of the size curve
+
+
+def answers_store(prompts: int, dense: bool = False) -> Path:
+    """The store-size curve's REST (or dense) store of the answers to the first ``prompts`` prompts."""
+    if dense:
+        return cache_root() / "dense-datastores" / f"stdlib-answers-{prompts}-dense"
+    return cache_root() / "datastores" / f"stdlib-answers-{prompts}"
+
+
 def _ours(proposer: str, k: int, **options) -> dict:
     return {
         "speculative_config": {"model": f"vllm_retrieval_spec.{proposer}", "num_speculative_tokens": k},
@@ -160,6 +170,17 @@ CONFIGS: dict[str, dict] = {
     "rest_datastore_indist_k8": _ours("RestProposer", 8, use_context=False, datastore=str(INDIST_STORE)),
     "dresd_indist_k8": _ours("DReSDProposer", 8, dense_datastore=str(INDIST_DENSE_STORE)),
     "dresd_alone_indist_k8": _ours("DReSDProposer", 8, use_context=False, dense_datastore=str(INDIST_DENSE_STORE)),
+    # The store-size curve (issue 25 item 2): `datastore from-server` without --url on the first N of
+    # the standard-library prompts (both forms), REST's store from the transcripts and DReSD's from
+    # the states captured while answering; each source alone (no context, output or live index).
+    **{f"rest_store_only_answers{n}_k8": _ours("RestProposer", 8, use_context=False, use_output_index=False,
+                                                use_live_index=False, datastore=str(answers_store(n)))
+       for n in ANSWER_STORE_PROMPTS},
+    **{f"dresd_alone_answers{n}_k8": _ours("DReSDProposer", 8, use_context=False,
+                                            dense_datastore=str(answers_store(n, dense=True)))
+       for n in ANSWER_STORE_PROMPTS},
+    # Hybrid with the largest captured store as its dense source (REST's default datastore and sources).
+    "hybrid_answers_k32": _ours("HybridProposer", 32, dense_datastore=str(answers_store(2062, dense=True))),
     "ngram_k4": _ngram(4),
     "ngram_k8": _ngram(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},

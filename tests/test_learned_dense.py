@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 from vllm_retrieval_spec.datastores.dense import MISSING_SCORE, DenseDatastore
 from vllm_retrieval_spec.datastores.dense_format import VALUES, DenseDatastoreError
 from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
-from vllm_retrieval_spec.datastores.learned_snapshot import LearnedDenseSnapshots, load_learned, save_learned
+from vllm_retrieval_spec.datastores.learned_snapshot import (
+    LearnedDenseSnapshots,
+    build_from_snapshot,
+    load_learned,
+    save_learned,
+)
 from vllm_retrieval_spec.datastores.output_snapshot import snapshot_dirs
 from vllm_retrieval_spec.verification.session import SpecSession
 
@@ -152,6 +157,27 @@ def test_a_snapshot_round_trips_and_is_a_dense_datastore_of_its_own(key_store, t
     keys, values = index.contents()
     _, found = served.search_by_keys(keys[:1], 1)
     np.testing.assert_array_equal(found[0, 0], values[0])
+
+
+def test_a_store_built_from_the_captured_states_holds_the_newest_snapshots_positions(key_store, tmp_path):
+    """``datastore from-server`` without ``--url``: the newest snapshot becomes a dense store of
+    its own (same positions, values and key space, indexed as a build indexes its keys)."""
+    index = taught(learned_index_for(key_store))
+    save_learned(index, tmp_path / "states", key_store)
+    index.record(["late"], np.array([1]), unit_keys(np.random.default_rng(3), 1))
+    index.finish({"late": np.arange(12) % VOCAB})
+    save_learned(index, tmp_path / "states", key_store)
+    manifest = build_from_snapshot(tmp_path / "states", tmp_path / "store")
+    store = DenseDatastore.open(tmp_path / "store", TINY_MODEL)
+    store.check_fully()
+    keys, values = index.contents()
+    assert manifest.num_positions == store.num_positions == len(values) == 13
+    np.testing.assert_array_equal(np.asarray(store.values), values)
+    np.testing.assert_array_equal(store.transform.components, key_store.transform.components)
+    _, found = store.search_by_keys(keys[-1:], 1)
+    np.testing.assert_array_equal(found[0, 0], values[-1])
+    with pytest.raises(DenseDatastoreError, match="holds no captured states"):
+        build_from_snapshot(tmp_path / "nothing", tmp_path / "other")
 
 
 def test_nothing_learned_saves_nothing_and_nothing_saved_restores_nothing(key_store, tmp_path):

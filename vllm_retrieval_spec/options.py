@@ -199,7 +199,9 @@ class RetrievalSpecOptions:
         "serving store's key space; data-parallel engine i > 0 uses PATH.dp<i> (empty: not saved)",
     )
     dense_learned_neighbours: int = _option(
-        8, _int_in(1, 1024), "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index"
+        8, _int_in(0, 1024),
+        "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index (0: learn without "
+        "drafting from it, e.g. to capture a store with datastore from-server)",
     )
     tree: bool = _option(
         False, _bool,

@@ -343,6 +343,7 @@ def run_from_server(args: argparse.Namespace, start_server: ServerStarter | None
     check_build_target(plan.out, args.replace, DATASTORE)  # before minutes of answers
     if plan.dense_out is not None:
         check_build_target(plan.dense_out, args.replace, DENSE_DATASTORE)
+    captured_before = _captured_positions(plan)
     start = time.perf_counter()
     report = _collect(args, plan, records, start_server)
     answer_seconds = time.perf_counter() - start
@@ -358,7 +359,16 @@ def run_from_server(args: argparse.Namespace, start_server: ServerStarter | None
     with tempfile.TemporaryDirectory(prefix=".from-server-", dir=plan.transcripts.parent) as tmp:
         current = Path(tmp) / f"{plan.transcripts.stem}.current.jsonl"  # ends .jsonl: read as records
         selection.write(plan.transcripts, current)
-        build_stores(args, plan, current, answer_seconds)
+        build_stores(args, plan, current, answer_seconds, captured_before)
+
+
+def _captured_positions(plan: FromServerPlan) -> int:
+    """The positions captured by earlier runs of the plan (0 without capture)."""
+    if plan.states is None:
+        return 0
+    from vllm_retrieval_spec.datastores.learned_snapshot import snapshot_positions
+
+    return snapshot_positions(plan.states)
 
 
 def _collect(args: argparse.Namespace, plan: FromServerPlan, records: Sequence[PromptRecord],
@@ -378,9 +388,11 @@ def _collect(args: argparse.Namespace, plan: FromServerPlan, records: Sequence[P
         return asyncio.run(collect_transcripts(url, records, plan.transcripts, settings))
 
 
-def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path, answer_seconds: float) -> None:
+def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path, answer_seconds: float,
+                 captured_before: int = 0) -> None:
     """The REST store, and the dense one, from ``current``: the current prompts' transcripts
-    (the dense one from the captured states when the server was started here)."""
+    (the dense one from the captured states when the server was started here, of which
+    ``captured_before`` positions came from earlier runs)."""
     from vllm_retrieval_spec.datastores.builder import build_datastore
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
@@ -393,9 +405,10 @@ def build_stores(args: argparse.Namespace, plan: FromServerPlan, current: Path, 
         from vllm_retrieval_spec.datastores.learned_snapshot import build_from_snapshot
 
         manifest = build_from_snapshot(plan.states, plan.dense_out, replace=args.replace, extra_build_info=extra)
-        print(f"{plan.dense_out}: {manifest.num_positions:,} positions captured while answering "
-              f"({manifest.num_positions / max(answer_seconds, 1e-9):,.0f} a second of this run), "
-              f"{manifest.bytes_per_position} bytes a position, {manifest.index.describe()}")
+        now = manifest.num_positions - captured_before
+        print(f"{plan.dense_out}: {manifest.num_positions:,} positions captured while answering ({now:,} in "
+              f"this run, {now / max(answer_seconds, 1e-9):,.0f} a second), {manifest.bytes_per_position} bytes a "
+              f"position, {manifest.index.describe()}")
     elif plan.dense_out is not None:
         from vllm_retrieval_spec.datastores.dense_builder import build_dense_datastore
         from vllm_retrieval_spec.datastores.dense_cli import describe_build

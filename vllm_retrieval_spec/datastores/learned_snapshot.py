@@ -76,6 +76,12 @@ def load_learned(index: LearnedDenseIndex, path: Path, store: DenseDatastore) ->
     return snapshot.num_positions
 
 
+def snapshot_positions(path: Path) -> int:
+    """The positions of the newest snapshot under ``path`` (0 when there is none)."""
+    saved = snapshot_dirs(path)
+    return DenseDatastore.open(saved[-1]).num_positions if saved else 0
+
+
 def build_from_snapshot(path: Path, out_dir: Path, *, replace: bool = False,
                         extra_build_info: dict[str, Any] | None = None) -> DenseManifest:
     """A dense datastore at ``out_dir`` of every position of the newest snapshot under ``path``
@@ -83,7 +89,9 @@ def build_from_snapshot(path: Path, out_dir: Path, *, replace: bool = False,
     its keys (an inverted-list index past ``FLAT_MAX_POSITIONS``); its manifest."""
     saved = snapshot_dirs(path)
     if not saved:
-        raise DENSE_DATASTORE.fail(f"{path} holds no captured states (no snapshot-NNNNNNNN directory)")
+        raise DENSE_DATASTORE.fail(f"{path} holds no captured states (no snapshot-NNNNNNNN directory): answers "
+                                   "collected elsewhere were not captured; build the dense store with a forward "
+                                   "pass instead (datastore from-server --url, or datastore build-dense)")
     snapshot = DenseDatastore.open(saved[-1])
     snapshot.check_fully()
     options = DenseBuildOptions(value_tokens=snapshot.value_tokens, dim=snapshot.manifest.dim)

@@ -26,7 +26,8 @@ def answering_server(model: str | Path, *, max_model_len: int, states: Path | No
     if states is not None:
         speculative = {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": CAPTURE_DRAFT_TOKENS}
         additional = {"retrieval_spec": {"dense_datastore": dense_keys, "dense_learned_path": str(states),
-                                         "dense_learned_positions": min(max(capacity, 2), LEARNED_POSITIONS_MAX)}}
+                                         "dense_learned_positions": min(max(capacity, 2), LEARNED_POSITIONS_MAX),
+                                         "dense_learned_neighbours": 0}}  # capture only: searching costs
     server = VllmServer(model, speculative_config=speculative, additional_config=additional,
                         max_model_len=max_model_len)
     print(f"starting vllm-retrieval-spec serve {model} (log: {server.log_path}) ...", flush=True)

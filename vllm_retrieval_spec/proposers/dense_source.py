@@ -86,7 +86,7 @@ class DenseSource:
         keys = self.store.keys_of(session.step_hidden_states[batch.rows].float().cpu().numpy())
         _, values = self.store.search_by_keys(keys, self.neighbours)
         learned = session.learned_dense
-        if learned is not None:
+        if learned is not None and self.learned_neighbours:
             _, learned_values = learned.search(keys, self.learned_neighbours)
             values = np.concatenate([values, learned_values], axis=1)
         last = batch.token_ids[batch.rows, batch.num_tokens[batch.rows] - 1]
