@@ -132,6 +132,7 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_min_ratio_0{r}": _ours("RestProposer", 32, min_ratio=r / 10) for r in (2, 3, 5)},
     # The budget's margin on each kept node's cost (default 0.05).
     "rest_k32_margin0": _ours("RestProposer", 32, budget_margin=0.0),
+    **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50)},
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     "ngrammys_k8": _ours("NGrammysProposer", 8),
