@@ -14,7 +14,7 @@ drafter, and owns everything that lives between drafting and verification:
   requests still in flight (REST with ``use_live_index``), brought up to date when a step
   drafts and rid of each request as it finishes or is aborted;
 - the :class:`~vllm_retrieval_spec.datastores.learned_dense.LearnedDenseIndex` a dense proposer
-  gives it (``dense_learned_positions``): keys recorded as rows are drafted for, learned when
+  gives it (``dense_learned_positions``): the keys of every generated token, learned when
   their request finishes, dropped when it is aborted;
 - with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
   model learns from the time between consecutive drafting calls (drafting itself excluded)
