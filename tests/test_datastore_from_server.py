@@ -195,3 +195,10 @@ def test_without_a_url_the_dense_store_holds_the_states_captured_while_answering
 
 def _holds(ids: list[int], row: list[int]) -> bool:
     return any(ids[i:i + len(row)] == row for i in range(len(ids) - len(row) + 1))
+
+
+def test_a_capture_that_could_lose_positions_is_refused_before_any_server_starts(model_dir, prompt_file, tmp_path):
+    done = cli("--prompts", str(prompt_file), "--out", str(tmp_path / "s"), "--model", str(model_dir), "--dense",
+               "--concurrency", "256", "--max-tokens", "512")
+    assert done.returncode == 2 and "--concurrency 256 x --max-tokens" in done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout and not (tmp_path / "s").exists()

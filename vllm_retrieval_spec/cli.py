@@ -321,8 +321,11 @@ def _datastore_build_dense(args: argparse.Namespace) -> None:
 
 
 def _datastore_from_server(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.datastores.from_server import FromServerPlan, run_from_server
-    from vllm_retrieval_spec.evaluation.capture import answering_server
+    from vllm_retrieval_spec.datastores.from_server import CAPTURE_OVERSHOOT, FromServerPlan, run_from_server
+    from vllm_retrieval_spec.evaluation.capture import answering_server, check_capture_fits
+
+    if args.url is None and args.dense:
+        check_capture_fits(args.concurrency, args.max_tokens + CAPTURE_OVERSHOOT)
 
     def start_server(plan: FromServerPlan, capacity: int) -> AbstractContextManager[str]:
         return answering_server(args.model, max_model_len=args.max_model_len, states=plan.states,

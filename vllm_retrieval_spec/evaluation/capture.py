@@ -16,6 +16,17 @@ CAPTURE_DRAFT_TOKENS = 8  # DReSD's drafts while answering (lossless: the answer
 LEARNED_POSITIONS_MAX = 2**26  # dense_learned_positions' upper bound
 
 
+def check_capture_fits(concurrency: int, answer_tokens: int) -> None:
+    """Fail, naming the flags, when the answers in flight could hold more positions than the
+    learned index keeps waiting (the oldest would be lost without a word)."""
+    from vllm_retrieval_spec.proposers.dense_source import LEARNED_PENDING_KEYS
+
+    if concurrency * answer_tokens > LEARNED_PENDING_KEYS:
+        raise ValueError(f"--concurrency {concurrency} x --max-tokens (with the overshoot of a last step, "
+                         f"{answer_tokens} positions an answer) exceeds the {LEARNED_PENDING_KEYS:,} positions capture "
+                         "keeps waiting; lower either, or give --url to compute the keys with a forward pass")
+
+
 @contextmanager
 def answering_server(model: str | Path, *, max_model_len: int, states: Path | None = None,
                      capacity: int = 0, dense_keys: str = "") -> Iterator[str]:
