@@ -18,6 +18,7 @@ OPTIONS_KEY = "retrieval_spec"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 MAX_SPEC_LEN = 128  # vLLM's rejection sampler asserts at most this many drafts a request (vllm.v1.sample)
 BUDGET_POLICIES = ("auto", "fixed")
+LEARNED_POSITIONS_MAX = 2**26  # dense_learned_positions at most
 CANDIDATE_RULES = ("deterministic", "sampled")
 
 
@@ -187,7 +188,7 @@ class RetrievalSpecOptions:
         "DReSD, Hybrid: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",
     )
     dense_learned_positions: int = _option(
-        0, _int_in(0, 2**26),
+        0, _int_in(0, LEARNED_POSITIONS_MAX),
         "DReSD, Hybrid: also learn a dense index from served traffic (the key of each generated position and "
         "the tokens that followed it, once its request finishes), keeping at most this many positions in memory "
         "(oldest evicted first; dim x 4 + value_tokens x 4 bytes each); 0: off",

@@ -375,13 +375,12 @@ def _collect(args: argparse.Namespace, plan: FromServerPlan, records: Sequence[P
              start_server: ServerStarter | None) -> CollectReport:
     """Ask what is missing from the transcripts: of ``--url``, or of a server started for the
     run (none when nothing is missing)."""
-    missing = len({(r.index, r.key) for r in records} - answered(plan.transcripts))
     if args.url:
         server: AbstractContextManager[str] = nullcontext(args.url)
-    elif missing:
-        server = start_server(plan, len(records) * (args.max_tokens + CAPTURE_OVERSHOOT))
-    else:
+    elif {(r.index, r.key) for r in records} <= answered(plan.transcripts):
         return CollectReport(total=len(records), already=len(records))
+    else:
+        server = start_server(plan, len(records) * (args.max_tokens + CAPTURE_OVERSHOOT))
     with server as url:
         settings = AskSettings(args.model_name or served_model_name(url), args.max_tokens, args.temperature,
                                args.concurrency, args.retries)

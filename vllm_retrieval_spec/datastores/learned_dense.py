@@ -86,7 +86,7 @@ class LearnedDenseIndex:
         """Keys waiting for their request to finish."""
         return int(np.count_nonzero(self._pending_owner != None))  # noqa: E711 (elementwise on objects)
 
-    def record(self, owners: Sequence[str], positions: np.ndarray, keys: np.ndarray) -> None:
+    def record(self, owners: Sequence[str] | np.ndarray, positions: np.ndarray, keys: np.ndarray) -> None:
         """Row ``i``'s key ``keys[i]`` (``[B, dim]``) predicted the token at ``positions[i]`` of
         request ``owners[i]``; it waits until that request finishes."""
         keep = min(len(owners), len(self._pending_owner))  # more than the ring holds: the newest
@@ -98,7 +98,7 @@ class LearnedDenseIndex:
         self._pending_owner[slots] = list(owners[-keep:])
         self._cursor = int(slots[-1] + 1) % len(self._pending_owner)
 
-    def record_states(self, owners: Sequence[str], positions: np.ndarray, states: np.ndarray) -> None:
+    def record_states(self, owners: Sequence[str] | np.ndarray, positions: np.ndarray, states: np.ndarray) -> None:
         """:meth:`record` the keys of the target's hidden states ``states`` (``[B, hidden]``) in
         the key space of ``key_store``."""
         if self.key_store is None:

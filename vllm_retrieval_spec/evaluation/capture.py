@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
+from vllm_retrieval_spec.options import LEARNED_POSITIONS_MAX
 
 CAPTURE_DRAFT_TOKENS = 8  # DReSD's drafts while answering (lossless: the answers are the model's own)
-LEARNED_POSITIONS_MAX = 2**26  # dense_learned_positions' upper bound
 
 
 def check_capture_fits(concurrency: int, answer_tokens: int) -> None:

@@ -165,8 +165,8 @@ class SpecSession:
             row, column = np.nonzero(np.arange(producers.shape[1]) < sampled[:, None])
             states = sample_hidden_states[torch.from_numpy(producers[row, column]).to(sample_hidden_states.device)]
             positions = np.asarray(num_tokens, np.int64)[row] - sampled[row] + column
-            self.learned_dense.record_states([self.step_req_ids[r] for r in row.tolist()], positions,
-                                             states.float().cpu().numpy())
+            owners = np.asarray(self.step_req_ids, dtype=object)[row]
+            self.learned_dense.record_states(owners, positions, states.float().cpu().numpy())
 
     def _producing_rows(self, num_draft_tokens: Sequence[int] | None,
                         sampled_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
