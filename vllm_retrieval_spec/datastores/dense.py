@@ -47,9 +47,13 @@ class DenseTransform:
         return matrix.astype(np.float32), ((mean / std) @ components).astype(np.float32)
 
     def apply(self, states: np.ndarray) -> np.ndarray:
-        """Keys ``[B, dim]`` float32 (unit vectors) of hidden states ``[B, H]``."""
+        """Keys ``[B, dim]`` float32 (unit vectors) of hidden states ``[B, H]``. The product runs
+        on torch's threads, the model's own: NumPy's BLAS threads, started between serving steps,
+        would spin against the model's (8 in flight on 2 cores: 25% slower steps)."""
+        import torch
+
         matrix, offset = self._affine
-        keys = np.asarray(states, dtype=np.float32) @ matrix
+        keys = (torch.as_tensor(np.ascontiguousarray(states, dtype=np.float32)) @ torch.from_numpy(matrix)).numpy()
         keys -= offset
         keys /= np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), NORM_EPSILON)
         return keys

@@ -13,6 +13,7 @@ from pathlib import Path
 from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
 from vllm_retrieval_spec.options import LEARNED_POSITIONS_MAX
 
+SNAPSHOT_STOP_SECONDS = 90  # the server's orderly shutdown, in which the captured states are saved
 CAPTURE_DRAFT_TOKENS = 8  # DReSD's drafts while answering (lossless: the answers are the model's own)
 
 
@@ -50,4 +51,4 @@ def answering_server(model: str | Path, *, max_model_len: int, states: Path | No
     try:
         yield server.base_url
     finally:
-        server.stop()
+        server.stop(graceful_s=SNAPSHOT_STOP_SECONDS)

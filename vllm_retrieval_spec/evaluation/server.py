@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -101,10 +102,19 @@ class VllmServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def stop(self) -> None:
+    def stop(self, graceful_s: float = 0.0) -> None:
+        """SIGTERM to the server's process group (SIGKILL 30 s later). With ``graceful_s``, first
+        SIGTERM to the API server alone, which shuts its engine and workers down in order (when
+        they save their snapshots), for at most that many seconds: a signal to every process at
+        once can end a worker before it saves."""
         if self.process is None or self.process.poll() is not None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        if graceful_s:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=graceful_s)
+        with contextlib.suppress(ProcessLookupError):  # the whole group may be gone already
+            os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
