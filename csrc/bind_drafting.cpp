@@ -5,6 +5,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -239,7 +240,7 @@ using GivenTokens = nb::ndarray<const int32_t, nb::ndim<3>, nb::c_contig, Cpu>;
 
 // Continuations the caller found for every requested row ([rows, k, len] tokens, [rows, k]
 // lengths in [0, len], optional [rows] match lengths), checked; none when absent. `name` is
-// the source's argument prefix (dense, live).
+// the source's argument prefix (dense, learned, live).
 struct GivenInput {
   const int32_t* tokens = nullptr;
   const int32_t* lengths = nullptr;
@@ -293,10 +294,10 @@ std::optional<vrs::ChanceTable> chance_table_of(const std::optional<ChanceArray>
                                static_cast<int>(chance->shape(3)), length_bucket->data(),
                                static_cast<int>(length_bucket->shape(0)), depth_bucket->data(),
                                static_cast<int>(depth_bucket->shape(0))};
-  if (table.sources < 64 || table.lengths < 1 || table.depths < 1 || table.probs < 1 ||
+  if (table.sources < vrs::kSourceCodes || table.lengths < 1 || table.depths < 1 || table.probs < 1 ||
       table.num_length_keys < 1 || table.num_depth_keys < 1)
-    throw std::invalid_argument("chance_table must be [>= 64 sources, lengths, depths, probs] and the bucket "
-                                "lookups non-empty");
+    throw std::invalid_argument("chance_table must be [>= " + std::to_string(vrs::kSourceCodes) +
+                                " sources, lengths, depths, probs] and the bucket lookups non-empty");
   for (int i = 0; i < table.num_length_keys; ++i)
     if (table.length_bucket[i] < 0 || table.length_bucket[i] >= table.lengths)
       throw std::invalid_argument("length_bucket entries must lie in [0, chance_table.shape[1])");
@@ -309,14 +310,15 @@ std::optional<vrs::ChanceTable> chance_table_of(const std::optional<ChanceArray>
 // What rest_retrieve takes beside the store and the rows: given continuations and the table.
 struct RestInputs {
   GivenInput dense;
+  GivenInput learned;
   GivenInput live;
   std::optional<vrs::ChanceTable> table;
 
-  vrs::RestExtras extras(int64_t r, std::optional<vrs::GivenContinuations>& dense_row,
-                         std::optional<vrs::GivenContinuations>& live_row) const {
-    dense_row = dense.row(r);
-    live_row = live.row(r);
-    return {dense_row ? &*dense_row : nullptr, live_row ? &*live_row : nullptr, table ? &*table : nullptr};
+  // Row r's given continuations, held in `rows` (dense, learned, live) while they are used.
+  vrs::RestExtras extras(int64_t r, std::array<std::optional<vrs::GivenContinuations>, 3>& rows) const {
+    rows = {dense.row(r), learned.row(r), live.row(r)};
+    const auto view = [](const std::optional<vrs::GivenContinuations>& row) { return row ? &*row : nullptr; };
+    return {view(rows[0]), view(rows[1]), view(rows[2]), table ? &*table : nullptr};
   }
 };
 
@@ -334,8 +336,8 @@ void run_rest(const vrs::StoreShards<Tok, Idx>* store, const vrs::OutputIndex* o
   vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
-    std::optional<vrs::GivenContinuations> dense_row, live_row;
-    vrs::rest_retrieve_one(store, output, inputs.extras(r, dense_row, live_row), token_data + row * row_len,
+    std::array<std::optional<vrs::GivenContinuations>, 3> given;
+    vrs::rest_retrieve_one(store, output, inputs.extras(r, given), token_data + row * row_len,
                            length_data[row], prm, trie, out.row(r, prm));
   });
 }
@@ -386,7 +388,9 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        TokenMatrix<Cpu> tokens,
                        ConstVector<Cpu> lengths, ConstVector<Cpu> rows, const vrs::RestParams& prm,
                        std::optional<GivenTokens> dense_tokens, std::optional<TokenMatrix<Cpu>> dense_lengths,
-                       std::optional<ConstVector<Cpu>> dense_match_len, std::optional<GivenTokens> live_tokens,
+                       std::optional<ConstVector<Cpu>> dense_match_len, std::optional<GivenTokens> learned_tokens,
+                       std::optional<TokenMatrix<Cpu>> learned_lengths,
+                       std::optional<ConstVector<Cpu>> learned_match_len, std::optional<GivenTokens> live_tokens,
                        std::optional<TokenMatrix<Cpu>> live_lengths,
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
@@ -395,6 +399,7 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
   check_rows(tokens, lengths, rows);
   const size_t num_rows = rows.shape(0);
   const RestInputs inputs{GivenInput("dense", dense_tokens, dense_lengths, dense_match_len, num_rows),
+                          GivenInput("learned", learned_tokens, learned_lengths, learned_match_len, num_rows),
                           GivenInput("live", live_tokens, live_lengths, live_match_len, num_rows),
                           chance_table_of(chance_table, length_bucket, depth_bucket)};
   RestArrays out(num_rows, prm, profile);
@@ -494,14 +499,15 @@ void bind_rest(nb::module_& m) {
   m.def("rest_retrieve", &rest_retrieve, nb::arg("store").none(), nb::arg("output").none(), nb::arg("tokens"),
         nb::arg("lengths"), nb::arg("rows"), nb::arg("params"), nb::arg("dense_tokens").none() = nb::none(),
         nb::arg("dense_lengths").none() = nb::none(), nb::arg("dense_match_len").none() = nb::none(),
-        nb::arg("live_tokens").none() = nb::none(),
+        nb::arg("learned_tokens").none() = nb::none(), nb::arg("learned_lengths").none() = nb::none(),
+        nb::arg("learned_match_len").none() = nb::none(), nb::arg("live_tokens").none() = nb::none(),
         nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
         nb::arg("store_cache").none() = nb::none(),
         "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
         "suffix array over their concatenation, the selections remembered in store_cache; unless store is None or "
-        "params.use_datastore is false) + output index (unless output is None) + given dense and live continuations + "
+        "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and live continuations + "
         "context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "

@@ -32,11 +32,13 @@ struct RestParams {
   int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
   double output_weight = 0;     // weight of one continuation from the output index
   int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
-  double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours)
+  double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours, the store's or
+                                // the learned index's)
   double live_weight = 0;       // weight of one given continuation from requests in flight
 };
 
-// Continuations found elsewhere (DReSD's dense neighbours, the live index of requests in flight)
+// Continuations found elsewhere (DReSD's dense neighbours in the store and in the index learned
+// from served traffic, the live index of requests in flight)
 // for one request: k rows of up to len tokens, row i holding lengths[i] of them (0: none), found
 // with a match of match_len tokens (0: unknown).
 struct GivenContinuations {
@@ -75,7 +77,7 @@ struct RestOutput {
   int32_t* tree_parents;  // [top_k], -1 = child of the root
   int32_t* tree_size;     // scalar
   float* tree_prob;       // [top_k]: weight(node) / weight(parent), the drafter's acceptance guess
-  int8_t* tree_source;    // [top_k]: kFromDatastore | kFromContext | kFromOutput | kFromDense
+  int8_t* tree_source;    // [top_k]: kFrom* flags
   int32_t* chain_tokens;  // [chain_len]
   int32_t* chain_size;    // scalar
   float* chain_prob;      // [chain_len], as tree_prob
@@ -170,11 +172,13 @@ constexpr int8_t kFromContext = 2;
 constexpr int8_t kFromOutput = 8;  // 4 is the model's n-gram tables (N-Grammys, Python side)
 constexpr int8_t kFromDense = 16;
 constexpr int8_t kFromLive = 32;
+constexpr int8_t kFromLearned = 64;
+constexpr int kSourceCodes = 128;  // every combination of the flags: a chance table's first dimension
 constexpr int kMatchInfo = 6;
 
 // Each source's match length for one request (a node takes the longest of its sources').
 struct MatchLengths {
-  int datastore = 0, context = 0, output = 0, live = 0, dense = 0;
+  int datastore = 0, context = 0, output = 0, live = 0, dense = 0, learned = 0;
 
   int of(int8_t flags) const {
     int longest = 0;
@@ -183,6 +187,7 @@ struct MatchLengths {
     if (flags & kFromOutput) longest = std::max(longest, output);
     if (flags & kFromLive) longest = std::max(longest, live);
     if (flags & kFromDense) longest = std::max(longest, dense);
+    if (flags & kFromLearned) longest = std::max(longest, learned);
     return longest;
   }
 };
@@ -210,6 +215,7 @@ class ContinuationTrie {
     int32_t output_count = 0;
     int32_t dense_count = 0;
     int32_t live_count = 0;
+    int32_t learned_count = 0;
   };
 
   // An empty trie weighing each source by prm; nodes rank by calibrated path chance when
@@ -247,7 +253,7 @@ class ContinuationTrie {
   double weight(int32_t node) const {
     const Node& n = nodes_[node];
     return n.datastore_count + context_weight_ * n.context_count + output_weight_ * n.output_count +
-           dense_weight_ * n.dense_count + live_weight_ * n.live_count;
+           dense_weight_ * (n.dense_count + n.learned_count) + live_weight_ * n.live_count;
   }
 
   // With a chance table: every node's calibrated path chance (the product of its and its
@@ -391,7 +397,7 @@ class ContinuationTrie {
     return static_cast<int8_t>((n.datastore_count > 0 ? kFromDatastore : 0) |
                                (n.context_count > 0 ? kFromContext : 0) |
                                (n.output_count > 0 ? kFromOutput : 0) | (n.dense_count > 0 ? kFromDense : 0) |
-                               (n.live_count > 0 ? kFromLive : 0));
+                               (n.live_count > 0 ? kFromLive : 0) | (n.learned_count > 0 ? kFromLearned : 0));
   }
 
   void write(NodeOutput out, int i, int32_t node) const {
@@ -406,6 +412,7 @@ class ContinuationTrie {
     else if (source == kFromOutput) ++n.output_count;
     else if (source == kFromDense) ++n.dense_count;
     else if (source == kFromLive) ++n.live_count;
+    else if (source == kFromLearned) ++n.learned_count;
     else ++n.datastore_count;
   }
 
@@ -586,6 +593,7 @@ inline void insert_given(const GivenContinuations* given, double weight, int con
 // (each may be null).
 struct RestExtras {
   const GivenContinuations* dense;
+  const GivenContinuations* learned;
   const GivenContinuations* live;
   const ChanceTable* table;
 };
@@ -615,6 +623,7 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
   if (out_len > 0)
     insert_continuations(*output, out_lo, out_hi, out_len, prm.output_max_matches, prm.cont_len, kFromOutput, trie);
   insert_given(extras.dense, prm.dense_weight, prm.cont_len, kFromDense, trie);
+  insert_given(extras.learned, prm.dense_weight, prm.cont_len, kFromLearned, trie);
   insert_given(extras.live, prm.live_weight, prm.cont_len, kFromLive, trie);
   auto t2 = clock::now();
 
@@ -631,8 +640,10 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
   }
   auto t3 = clock::now();
   const int live_len = extras.live != nullptr && prm.live_weight > 0 ? extras.live->match_len : 0;
-  const int dense_len = extras.dense != nullptr && prm.dense_weight > 0 ? extras.dense->match_len : 0;
-  trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len, dense_len});
+  const auto given_len = [&](const GivenContinuations* given) {
+    return given != nullptr && prm.dense_weight > 0 ? given->match_len : 0;
+  };
+  trie.score(MatchLengths{ds_len, ctx_len, out_len, live_len, given_len(extras.dense), given_len(extras.learned)});
   if (out.tree_size != nullptr)
     *out.tree_size = trie.select_tree(prm.top_k, prm.tree_holds_chain ? prm.chain_len : 0, prm.min_ratio,
                                       {out.tree_tokens, out.tree_parents, out.tree_prob, out.tree_source});

@@ -18,6 +18,7 @@ from vllm_retrieval_spec.drafts import (
     SOURCE_CONTEXT,
     SOURCE_DATASTORE,
     SOURCE_DENSE,
+    SOURCE_LEARNED,
     SOURCE_LIVE,
     SOURCE_OUTPUT,
     DraftNodes,
@@ -73,12 +74,12 @@ def pack_given(given, match_len):
 
 
 def kernel_results(store, contexts, params, num_threads=0, output=None, dense=None, live=None, live_match_len=None,
-                   chances=None, dense_match_len=None):
+                   chances=None, dense_match_len=None, learned=None, learned_match_len=None):
     tokens, lengths = pack(contexts)
     out = rest_retrieve(store, tokens, lengths, np.arange(len(contexts)), params, num_threads=num_threads,
                         output_index=None if output is None else output.native,
-                        dense=pack_given(dense, dense_match_len), live=pack_given(live, live_match_len),
-                        chances=chances)
+                        dense=pack_given(dense, dense_match_len), learned=pack_given(learned, learned_match_len),
+                        live=pack_given(live, live_match_len), chances=chances)
     results = []
     for i in range(len(contexts)):
         tree_size, chain_size = int(out.tree_size[i]), int(out.chain_size[i])
@@ -91,10 +92,11 @@ def kernel_results(store, contexts, params, num_threads=0, output=None, dense=No
 
 
 def reference_results(store, contexts, params, output=None, dense=None, live=None, live_match_len=None,
-                      chances=None, dense_match_len=None):
+                      chances=None, dense_match_len=None, learned=None, learned_match_len=None):
     return rest_retrieve_reference(
         None if store is None else store.tokens, 0 if store is None else store.separator, contexts, params,
         None if output is None else output.tokens, SEPARATOR, dense, live, live_match_len, chances, dense_match_len,
+        learned, learned_match_len,
     )
 
 
@@ -287,6 +289,29 @@ def test_dense_continuations_join_the_trie_with_their_own_weight_and_flag():
         rest_retrieve(None, tokens, lengths, np.array([0]), params, dense=(dense_tokens, dense_lengths + 5))
 
 
+def test_learned_dense_continuations_weigh_as_dense_ones_under_their_own_flag_and_match_length():
+    """The learned index's neighbours count with ``dense_weight`` but are calibrated as their own
+    source: a node both continue carries both flags and the longer of the two match lengths."""
+    params = RestParams(cont_len=3, top_k=6, chain_len=3, min_ratio=0.0, use_datastore=False, dense_weight=2.0,
+                        context_weight=5.0)
+    dense, learned = [[[7, 8], [5]]], [[[7, 6, 6]]]
+    (result,) = kernel_results(None, [[1, 2, 3]], params, dense=dense, dense_match_len=[2], learned=learned,
+                               learned_match_len=[9])
+    assert result["chain"] == [7, 6, 6]  # 7: two of three continuations; 8 and 6 tie: the smaller token
+    assert result["chain_nodes"] == ([pytest.approx(2 / 3), 0.5, 1.0],
+                                     [SOURCE_DENSE | SOURCE_LEARNED, SOURCE_LEARNED, SOURCE_LEARNED])
+    assert result == reference_results(None, [[1, 2, 3]], params, dense=dense, dense_match_len=[2], learned=learned,
+                                       learned_match_len=[9])[0]
+    one_each = DraftNodes(np.array([[7, 7]]), np.array([[-1, -1]]), np.array([2]), np.ones((1, 2), np.float32),
+                          np.array([[SOURCE_DENSE, SOURCE_LEARNED]], np.int8), np.array([[9, 9]], np.int32))
+    dense_bucket, learned_bucket = AcceptanceCalibration.buckets(one_each, np.zeros((1, 2), np.int64))[0]
+    assert dense_bucket != learned_bucket  # calibrated apart
+    with pytest.raises(ValueError, match="learned_lengths must lie"):
+        tokens, lengths = pack([[1, 2, 3]])
+        learned_tokens, learned_lengths = pack_dense(learned)
+        rest_retrieve(None, tokens, lengths, np.array([0]), params, learned=(learned_tokens, learned_lengths + 5))
+
+
 def random_chance_table(seed: int) -> ChanceTable:
     """A small table of few distinct chances (ties are common) with random bucket lookups."""
     rng = np.random.default_rng(seed)
@@ -315,7 +340,8 @@ given_strategy = st.none() | st.lists(st.lists(st.integers(0, 4), max_size=25), 
        outputs=st.lists(st.lists(st.integers(0, 4), max_size=30), max_size=4), data=st.data())
 def test_calibrated_selection_matches_the_reference(documents, contexts, params, cont_len, chain_len, top_k,
                                                     live_weight, table_seed, learned, outputs, data):
-    """Selection by calibrated path chance, long continuations (0: chain_len) and live continuations."""
+    """Selection by calibrated path chance, long continuations (0: chain_len) and live, dense and
+    learned-dense continuations."""
     store = make_store(documents, vocab_size=4)
     output = output_index_of(outputs)
     params = dataclasses.replace(params, cont_len=cont_len, chain_len=chain_len, top_k=top_k, live_weight=live_weight)
@@ -325,10 +351,13 @@ def test_calibrated_selection_matches_the_reference(documents, contexts, params,
     dense = data.draw(st.none() | st.lists(st.lists(st.lists(st.integers(0, 4), max_size=9), max_size=3),
                                            min_size=rows, max_size=rows))
     dense_match_len = data.draw(st.none() | st.lists(st.integers(0, 32), min_size=rows, max_size=rows))
+    learned_dense = data.draw(st.none() | st.lists(st.lists(st.lists(st.integers(0, 4), max_size=9), max_size=3),
+                                                   min_size=rows, max_size=rows))
+    learned_match_len = data.draw(st.none() | st.lists(st.integers(0, 32), min_size=rows, max_size=rows))
     chances = (learned_chance_table if learned else random_chance_table)(table_seed)
-    got = kernel_results(store, contexts, params, 0, output, dense, live, live_match_len, chances, dense_match_len)
-    assert got == reference_results(store, contexts, params, output, dense, live, live_match_len, chances,
-                                    dense_match_len)
+    given = (dense, live, live_match_len, chances, dense_match_len, learned_dense, learned_match_len)
+    got = kernel_results(store, contexts, params, 0, output, *given)
+    assert got == reference_results(store, contexts, params, output, *given)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
 
@@ -384,7 +413,7 @@ def test_bad_chance_tables_are_rejected_and_values_out_of_range_read_clamped():
                              chances=dataclasses.replace(table, chance=np.clip(np.nan_to_num(wild), 0, 1)))
     found = rest_retrieve(None, tokens, lengths, np.array([0]), params, chances=dataclasses.replace(table, chance=wild))
     assert found.tree(0) == expected.tree(0) and found.chain(0) == expected.chain(0)
-    for bad, message in ((dataclasses.replace(table, chance=table.chance[:32]), ">= 64 sources"),
+    for bad, message in ((dataclasses.replace(table, chance=table.chance[:64]), ">= 128 sources"),
                          (dataclasses.replace(table, depth_bucket=np.array([99], np.int32)), "depth_bucket entries")):
         with pytest.raises(ValueError, match=message):
             rest_retrieve(None, tokens, lengths, np.array([0]), RestParams(use_datastore=False), chances=bad)

@@ -22,9 +22,11 @@ SOURCE_MODEL = 4  # the model's own n-gram tables (N-Grammys' bigram)
 SOURCE_OUTPUT = 8  # the cross-request output index (REST)
 SOURCE_DENSE = 16  # dense neighbours of the target's hidden state (DReSD)
 SOURCE_LIVE = 32  # the live index of requests still in flight (REST)
-NUM_SOURCE_CODES = 64
+SOURCE_LEARNED = 64  # the dense index learned from served traffic (DReSD, Hybrid)
+NUM_SOURCE_CODES = 128
 SOURCE_NAMES = ((SOURCE_DATASTORE, "datastore"), (SOURCE_CONTEXT, "context"), (SOURCE_MODEL, "model_ngram"),
-                (SOURCE_OUTPUT, "output_index"), (SOURCE_DENSE, "dense"), (SOURCE_LIVE, "live"))
+                (SOURCE_OUTPUT, "output_index"), (SOURCE_DENSE, "dense"), (SOURCE_LIVE, "live"),
+                (SOURCE_LEARNED, "learned_dense"))
 
 
 def source_label(code: int) -> str:

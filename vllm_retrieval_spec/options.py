@@ -201,8 +201,9 @@ class RetrievalSpecOptions:
     )
     dense_learned_neighbours: int = _option(
         8, _int_in(0, 1024),
-        "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index (0: learn without "
-        "drafting from it, e.g. to capture a store with datastore from-server)",
+        "DReSD, Hybrid: nearest neighbours searched per request and step in the learned index, drafted under their own "
+        "source (learned_dense) beside the store's (0: learn without drafting from it, e.g. to capture a store with "
+        "datastore from-server)",
     )
     tree: bool = _option(
         False, _bool,

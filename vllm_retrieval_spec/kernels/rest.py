@@ -125,7 +125,8 @@ def rest_retrieve(
     params: RestParams,
     *,
     output_index: Any = None,
-    dense: tuple[np.ndarray, np.ndarray] | None = None,
+    dense: tuple[np.ndarray, ...] | None = None,
+    learned: tuple[np.ndarray, ...] | None = None,
     live: tuple[np.ndarray, ...] | None = None,
     chances: ChanceTable | None = None,
     num_threads: int = 0,
@@ -136,10 +137,11 @@ def rest_retrieve(
     context only; one no longer ``usable`` counts as None),
     ``output_index`` (the ``native`` build of an
     :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex`, or None) and ``dense``
-    continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])``, one
-    row per requested row, each weighing ``dense_weight``; ``live`` the same from the requests in
-    flight, ``(tokens, lengths)`` or ``(tokens, lengths, match_len [rows])``, each weighing
-    ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight. A
+    continuations found elsewhere (DReSD): ``(tokens [rows, k, len], lengths [rows, k])`` or
+    ``(tokens, lengths, match_len [rows])``, one row per requested row, each weighing
+    ``dense_weight``; ``learned`` the same from the dense index learned from served traffic (its
+    own source flag, ``SOURCE_LEARNED``); ``live`` the same from the requests in flight, each
+    weighing ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight. A
     sharded store's ``selection_cache`` keeps the continuations selected for a query across calls.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
@@ -152,6 +154,7 @@ def rest_retrieve(
         np.ascontiguousarray(rows, dtype=np.int32),
         _native_params(params),
         **_given_arrays("dense", dense),
+        **_given_arrays("learned", learned),
         **_given_arrays("live", live),
         **_table_arrays(chances),
         profile=profile,

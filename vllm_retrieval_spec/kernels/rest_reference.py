@@ -10,11 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_LIVE, SOURCE_OUTPUT
+from vllm_retrieval_spec.drafts import (
+    SOURCE_CONTEXT,
+    SOURCE_DATASTORE,
+    SOURCE_DENSE,
+    SOURCE_LEARNED,
+    SOURCE_LIVE,
+    SOURCE_OUTPUT,
+)
 from vllm_retrieval_spec.kernels.rest import ChanceTable, RestParams
 
 SOURCE_FLAGS = {"datastore": SOURCE_DATASTORE, "context": SOURCE_CONTEXT, "output": SOURCE_OUTPUT,
-                "dense": SOURCE_DENSE, "live": SOURCE_LIVE}
+                "dense": SOURCE_DENSE, "live": SOURCE_LIVE, "learned": SOURCE_LEARNED}
 
 
 @dataclass
@@ -27,12 +34,13 @@ class _Node:
     output: int = 0
     dense: int = 0
     live: int = 0
+    learned: int = 0
 
 
 class _ReferenceTrie:
     def __init__(self, params: RestParams, chances: ChanceTable | None) -> None:
         self.weights = {"datastore": 1.0, "context": params.context_weight, "output": params.output_weight,
-                        "dense": params.dense_weight, "live": params.live_weight}
+                        "dense": params.dense_weight, "live": params.live_weight, "learned": params.dense_weight}
         self.chances = chances
         self.path: dict[int, float] = {}
         self.conditional: dict[int, float] = {}
@@ -54,11 +62,9 @@ class _ReferenceTrie:
             setattr(self.nodes[node], source, getattr(self.nodes[node], source) + 1)
 
     def weight(self, node: int) -> float:
-        n = self.nodes[node]
-        total = 0.0
-        for source, weight in self.weights.items():  # the kernel's order of additions
-            total += getattr(n, source) if source == "datastore" else weight * getattr(n, source)
-        return total
+        n, w = self.nodes[node], self.weights
+        return (n.datastore + w["context"] * n.context + w["output"] * n.output  # the kernel's order of additions
+                + w["dense"] * (n.dense + n.learned) + w["live"] * n.live)
 
     def ratio(self, node: int) -> np.float32:
         return np.float32(self.weight(node) / self.weight(self.nodes[node].parent))
@@ -144,10 +150,12 @@ def rest_retrieve_reference(
     dense: Sequence[Sequence[Sequence[int]]] | None = None,
     live: Sequence[Sequence[Sequence[int]]] | None = None, live_match_len: Sequence[int] | None = None,
     chances: ChanceTable | None = None, dense_match_len: Sequence[int] | None = None,
+    learned: Sequence[Sequence[Sequence[int]]] | None = None, learned_match_len: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Brute force (no suffix array): matches found by scanning, ordered as suffixes sort;
-    ``dense[i]`` / ``live[i]``: row i's given dense / live continuations (``dense_match_len[i]`` /
-    ``live_match_len[i]`` their match length); ``chances``: rank by calibrated path chance."""
+    ``dense[i]`` / ``learned[i]`` / ``live[i]``: row i's given dense / learned-dense / live
+    continuations (``dense_match_len[i]`` / ``learned_match_len[i]`` / ``live_match_len[i]`` their
+    match length); ``chances``: rank by calibrated path chance."""
     results = []
     for row, context in enumerate(contexts):
         ctx = [int(t) for t in context]
@@ -164,7 +172,7 @@ def rest_retrieve_reference(
                                                                      params.output_max_matches)
             for continuation in continuations:
                 trie.insert(continuation, "output")
-        for name, given in (("dense", dense), ("live", live)):
+        for name, given in (("dense", dense), ("learned", learned), ("live", live)):
             if given is not None and trie.weights[name] > 0:
                 for continuation in given[row]:
                     trie.insert(list(continuation)[: params.continuation_len], name)
@@ -175,7 +183,8 @@ def rest_retrieve_reference(
                 trie.insert(continuation, "context")
         live_len = _given_match_len(live, live_match_len, params.live_weight, row)
         trie.score({SOURCE_DATASTORE: ds_len, SOURCE_CONTEXT: ctx_len, SOURCE_OUTPUT: out_len, SOURCE_LIVE: live_len,
-                    SOURCE_DENSE: _given_match_len(dense, dense_match_len, params.dense_weight, row)})
+                    SOURCE_DENSE: _given_match_len(dense, dense_match_len, params.dense_weight, row),
+                    SOURCE_LEARNED: _given_match_len(learned, learned_match_len, params.dense_weight, row)})
         chain = trie.chain(params.chain_len, params.min_ratio)
         tree = trie.tree(params.top_k, chain if params.tree_holds_chain else [])
         results.append({

@@ -12,7 +12,7 @@ from vllm.logger import init_logger
 
 from vllm_retrieval_spec.datastores.dense import DenseDatastore, open_dense_datastore_for_model
 from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
-from vllm_retrieval_spec.drafts import SOURCE_DENSE
+from vllm_retrieval_spec.drafts import SOURCE_DENSE, SOURCE_LEARNED
 from vllm_retrieval_spec.kernels.rest import RestDrafts
 
 if TYPE_CHECKING:
@@ -26,23 +26,40 @@ logger = init_logger(__name__)
 LEARNED_PENDING_KEYS = 65_536  # keys of running requests' tokens the learned index keeps waiting at most
 
 
+Given = tuple[np.ndarray, np.ndarray, np.ndarray]  # continuations [rows, k, N - 1], lengths [rows, k], agreeing [rows]
+
+
+@dataclass(frozen=True)
+class DenseFound:
+    """What :meth:`DenseSource.continuations` found: ``rest_retrieve``'s ``dense`` (the store's
+    neighbours) and ``learned`` (the learned index's, None when it is not drafted from)
+    arguments, calibrated as two sources."""
+
+    store: Given
+    learned: Given | None = None
+
+
 @dataclass
 class DenseDrafts(RestDrafts):
-    """REST's trie output plus, per row, how many neighbours agreed with the sampled token (the
-    dense source's evidence, in place of a match length)."""
+    """REST's trie output plus, per row, how many of the store's and of the learned index's
+    neighbours agreed with the sampled token (each dense source's evidence, in place of a match
+    length)."""
 
     agreeing: np.ndarray | None = None
+    learned_agreeing: np.ndarray | None = None
 
     def row_match_len(self) -> dict[int, np.ndarray]:
         lengths = super().row_match_len()
-        if self.agreeing is not None:
-            lengths[SOURCE_DENSE] = self.agreeing
+        for flag, agreeing in ((SOURCE_DENSE, self.agreeing), (SOURCE_LEARNED, self.learned_agreeing)):
+            if agreeing is not None:
+                lengths[flag] = agreeing
         return lengths
 
     @classmethod
-    def of(cls, drafts: RestDrafts, found: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DenseDrafts:
+    def of(cls, drafts: RestDrafts, found: DenseFound) -> DenseDrafts:
         """``drafts`` with the agreeing counts of what :meth:`DenseSource.continuations` ``found``."""
-        return cls(**vars(drafts), agreeing=found[2])
+        return cls(**vars(drafts), agreeing=found.store[2],
+                   learned_agreeing=None if found.learned is None else found.learned[2])
 
 
 class DenseSource:
@@ -77,22 +94,26 @@ class DenseSource:
         where = f"GPU {index}" if self.store.use_gpu(index) else "the CPU (install faiss-gpu for GPU search)"
         logger.info("%s: searching %s on %s", owner, self.store.path, where)
 
-    def continuations(self, batch: DraftBatch, session: DraftSession) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``rest_retrieve``'s ``dense`` argument: the continuations after the sampled token
-        (``[rows, k, N - 1]``) of the store's neighbours and then the session's learned index's,
-        their lengths (``N - 1`` where the neighbour predicted the
-        sampled token, else 0) and, as the source's match length, how many neighbours did
-        (``[rows]``)."""
+    def continuations(self, batch: DraftBatch, session: DraftSession) -> DenseFound:
+        """The neighbours of the store and of the session's learned index (when it drafts), each
+        as the continuations after the sampled token (``[rows, k, N - 1]``), their lengths
+        (``N - 1`` where the neighbour predicted the sampled token, else 0) and, as the source's
+        match length, how many neighbours did (``[rows]``)."""
         keys = self.store.keys_of(session.step_hidden_states[batch.rows].float().cpu().numpy())
-        _, values = self.store.search_by_keys(keys, self.neighbours)
-        learned = session.learned_dense
-        if learned is not None and self.learned_neighbours:
-            _, learned_values = learned.search(keys, self.learned_neighbours)
-            values = np.concatenate([values, learned_values], axis=1)
         last = batch.token_ids[batch.rows, batch.num_tokens[batch.rows] - 1]
-        agree = values[:, :, 0] == last[:, None]
-        return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),
-                np.count_nonzero(agree, axis=1).astype(np.int32))
+        store = _given(self.store.search_by_keys(keys, self.neighbours)[1], last)
+        learned = session.learned_dense
+        if learned is None or not self.learned_neighbours:
+            return DenseFound(store)
+        return DenseFound(store, _given(learned.search(keys, self.learned_neighbours)[1], last))
+
+
+def _given(values: np.ndarray, last: np.ndarray) -> Given:
+    """Neighbours' ``values`` ``[rows, k, N]`` as continuations after each row's ``last`` sampled
+    token: ``(values[:, :, 1:], N - 1 where value 0 is last else 0, how many are)``."""
+    agree = values[:, :, 0] == last[:, None]
+    return (values[:, :, 1:], np.where(agree, values.shape[2] - 1, 0).astype(np.int32),
+            np.count_nonzero(agree, axis=1).astype(np.int32))
 
 
 class UsesDenseSource:

@@ -26,5 +26,5 @@ class HybridProposer(UsesDenseSource, RestProposer):
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)
-        self.last_drafts = DenseDrafts.of(self.retrieve(batch, dense=found), found)
+        self.last_drafts = DenseDrafts.of(self.retrieve(batch, dense=found.store, learned=found.learned), found)
         return self.last_drafts

@@ -49,15 +49,17 @@ class RestProposer(DraftProposer):
         self.last_drafts = self.retrieve(batch)
         return self.last_drafts
 
-    def retrieve(self, batch: DraftBatch, dense: tuple[np.ndarray, ...] | None = None) -> RestDrafts:
-        """The kernel's drafts for ``batch`` from every configured source, plus ``dense``
-        continuations found elsewhere (``rest_retrieve``'s argument)."""
+    def retrieve(self, batch: DraftBatch, dense: tuple[np.ndarray, ...] | None = None,
+                 learned: tuple[np.ndarray, ...] | None = None) -> RestDrafts:
+        """The kernel's drafts for ``batch`` from every configured source, plus ``dense`` and
+        ``learned`` continuations found elsewhere (``rest_retrieve``'s arguments)."""
         output_index = self.session.output_index if self.session is not None else None
         return rest_retrieve(
             None if self.datastore is None else self.datastore.current(), batch.token_ids, batch.num_tokens,
             batch.rows, self.params,
             output_index=None if output_index is None else output_index.native,
             dense=dense,
+            learned=learned,
             live=self._live_matches(batch),
             chances=self._chances(),
             num_threads=self.options.num_threads,
