@@ -385,14 +385,19 @@ def run_load_sync(base_url: str, requests: Sequence[LoadRequest], settings: Load
 # --- Engine memory ----------------------------------------------------------------------------
 
 
+ENGINE_PROCESS_TITLES = ("EngineCore", "VLLM::Worker")  # the engine core and its executor's workers (the model)
+
+
 def engine_rss_bytes() -> int:
-    """Resident memory of this machine's vLLM engine-core processes (titled ``VLLM::EngineCore``)."""
+    """Resident memory of this machine's vLLM engine processes: the engine cores and their
+    workers, which hold the model runner and our drafting state (titled ``VLLM::EngineCore``,
+    ``VLLM::Worker``)."""
     import psutil
 
     total = 0
     for process in psutil.process_iter(["cmdline", "memory_info"]):
         command = " ".join(process.info["cmdline"] or ())
-        if "EngineCore" in command and process.info["memory_info"] is not None:
+        if any(title in command for title in ENGINE_PROCESS_TITLES) and process.info["memory_info"] is not None:
             total += process.info["memory_info"].rss
     return total
 
