@@ -507,8 +507,8 @@ void bind_rest(nb::module_& m) {
         nb::arg("store_cache").none() = nb::none(),
         "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
         "suffix array over their concatenation, the selections remembered in store_cache; unless store is None or "
-        "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and live continuations + "
-        "context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
+        "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and "
+        "live continuations + context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "
         "when top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "

@@ -4,8 +4,9 @@ Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`
 in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens, stopping at
 document separators, evenly strided over the suffix-array range), the same from the
 cross-request output index (up to ``output_max_matches``, each weighing ``output_weight``), the
-continuations given by the caller (DReSD's dense neighbours, each weighing ``dense_weight``; the
-live index of requests in flight, each weighing ``live_weight``), plus the continuations of the
+continuations given by the caller (DReSD's dense neighbours in the store and in the index learned
+from served traffic, each weighing ``dense_weight`` under a flag of its own; the live index of
+requests in flight, each weighing ``live_weight``), plus the continuations of the
 longest suffix found earlier in the row's own context (each weighing ``context_weight``), merged
 into one trie. Output: the ``top_k`` best nodes as a subtree, depth-first with each node's
 children in rank order (parents before children, the main path first), and the best chain (the
