@@ -9,6 +9,9 @@ batch size, REST's kernel (serving defaults, chains of 32: the README's configur
 the same batches from the single store and from each sharded one, in a fresh random order each
 batch, after all are read into the page cache: p50/p99 per step, and every draft compared (the drafts must be
 identical: 0 differing rows; not compared for synthetic stores, which hold other documents).
+Every sharded store is given its merged order (``datastore merge-order``; its time and size
+recorded) and drafts through it; ``--without-order`` also times each by selection across its
+shards (``--without-cache``: selection without its cache).
 
     python benchmarks/sharded_store.py --shards 4 16 --batches 1 8 64
 
@@ -46,6 +49,7 @@ from vllm_retrieval_spec.datastores.builder import ShardBuilt, ShardWritten, fin
 from vllm_retrieval_spec.datastores.format import TOKENS
 from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store, open_datastore_for_model
 from vllm_retrieval_spec.datastores.sharded import FORMAT_VERSION, ShardedManifest, open_datastore, shard_name
+from vllm_retrieval_spec.datastores.sharded_edit import merge_order
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
@@ -64,8 +68,10 @@ def parse_args() -> argparse.Namespace:
                         help="synthetic stores of the store's documents repeated and shuffled")
     parser.add_argument("--workers", type=int, default=1, help="scale builds: shards sorted at once")
     parser.add_argument("--ray", action="store_true", help="scale builds: sort on a local Ray cluster")
+    parser.add_argument("--without-order", action="store_true",
+                        help="also time every sharded store by selection across its shards (its cache on)")
     parser.add_argument("--without-cache", action="store_true",
-                        help="also time every sharded store without its selection cache")
+                        help="also time every sharded store by selection without its cache")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=200, help="batches drafted per batch size (fewer when large)")
     parser.add_argument("--k", type=int, default=32, help="chain length (the README's num_speculative_tokens)")
@@ -196,6 +202,18 @@ def sharded_copy(store: object, count: int, root: Path) -> tuple[Path, list[dict
     return root, json.loads(measured.read_text())
 
 
+def with_merged_order(path: Path, workers: int) -> dict:
+    """Give the store at ``path`` its merged order (unless an earlier run did): seconds, bytes."""
+    measured = path / "merge.json"
+    if not measured.is_file():
+        print(f"merging the order of {path} ...", flush=True)
+        start = time.perf_counter()
+        order = merge_order(path, workers=workers).merged_order
+        measured.write_text(json.dumps({"merge_seconds": round(time.perf_counter() - start, 1), "workers": workers,
+                                        "bytes": order.bytes, "depth": order.depth, "dtype": order.dtype}))
+    return json.loads(measured.read_text())
+
+
 # The growth of a fresh process's resident memory as it opens a store and reads it whole.
 RESIDENT = """
 import sys
@@ -267,24 +285,33 @@ def main() -> None:
     with contextlib.ExitStack() as cleanup:
         work = args.work_dir or Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
         stores, builds, scale = {"single": single}, {}, {}
+        orders = {}
         for count in args.shards:
             path, builds[count] = sharded_copy(single, count, work / f"shards{count}")
+            orders[f"{count} shards"] = with_merged_order(path, args.workers)
             stores[f"{count} shards"] = open_datastore(path, single.manifest.tokenizer)
         for spec in args.scale:
             path, built = synthetic_store(single, spec, work / f"scale{spec.replace(':', '_')}", args.workers,
                                           args.ray)
             name = f"{built['tokens'] / 1e6:,.0f}M tokens in {built['shards']} shards"
             scale[name] = built
+            orders[name] = with_merged_order(path, args.workers)
             stores[name] = open_datastore(path, single.manifest.tokenizer)
+        sharded = {name: store for name, store in stores.items() if name != "single"}
+        if args.without_order:
+            stores |= {f"{name} (selection)": dataclasses.replace(store, merged_order=None)
+                       for name, store in sharded.items()}
         if args.without_cache:
-            stores |= {f"{name} (no cache)": dataclasses.replace(store, selection_cache=None)
-                       for name, store in stores.items() if name != "single"}
-        resident = {name: resident_mb(store.path) for name, store in stores.items() if "(no cache)" not in name}
+            stores |= {f"{name} (selection, no cache)": dataclasses.replace(store, merged_order=None,
+                                                                            selection_cache=None)
+                       for name, store in sharded.items()}
+        resident = {name: resident_mb(store.path) for name, store in stores.items() if " (" not in name}
         for store in stores.values():
             store.prefetch(wait=True)
         report = {"datastore": str(single.path), "tokens": single.manifest.num_tokens, "rest_params":
                   dataclasses.asdict(params), "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                  "builds": {str(count): rows for count, rows in builds.items()}, "scale": scale, "search": {},
+                  "builds": {str(count): rows for count, rows in builds.items()}, "scale": scale,
+                  "merged_orders": orders, "search": {},
                   "resident_mb": resident,
                   "single_sort_peak_mb": round(sort_peak_mb(single.path / TOKENS, single.manifest.token_dtype))}
         for size in args.batches:
@@ -314,6 +341,11 @@ def print_table(report: dict) -> None:
     print("\n| store | resident MB once read whole |\n|---|---:|")
     for name, megabytes in report["resident_mb"].items():
         print(f"| {name} | {megabytes:,} |")
+    print("\n| store | merged order: merge s | threads | GB | bytes/token |\n|---|---:|---:|---:|---:|")
+    for name, row in report["merged_orders"].items():
+        tokens = report["scale"].get(name, {}).get("tokens", report["tokens"])
+        print(f"| {name} | {row['merge_seconds']:.1f} | {row['workers']} | {row['bytes'] / 1e9:.2f} | "
+              f"{row['bytes'] / tokens:.1f} |")
     print("\n| shards | tokens per shard | sort s per shard (max) | sort's peak MB per shard (max) |")
     print("|---:|---:|---:|---:|")
     print(f"| 1 (the store itself) | {report['tokens']:,} | – | {report['single_sort_peak_mb']} |")

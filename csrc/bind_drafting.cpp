@@ -156,6 +156,40 @@ struct SuffixStore {
   }
 };
 
+// A sharded store's merged order (merged_order.h): its uint32 or uint64 entries, the shards'
+// token counts in store order and the depth it is sorted to (checked once, kept alive).
+struct MergedOrderStore {
+  AnyVector entries;
+  std::vector<int64_t> bases;
+  int depth;
+
+  MergedOrderStore(AnyVector entries_, const std::vector<int64_t>& shard_sizes, int depth_)
+      : entries(entries_), bases(shard_sizes.size() + 1, 0), depth(depth_) {
+    if (entries.dtype() != nb::dtype<uint32_t>() && entries.dtype() != nb::dtype<uint64_t>())
+      throw std::invalid_argument("merged order entries must be uint32 or uint64");
+    if (depth < 1) throw std::invalid_argument("a merged order's depth must be >= 1");
+    for (size_t s = 0; s < shard_sizes.size(); ++s) {
+      if (shard_sizes[s] < 0) throw std::invalid_argument("shard sizes must be >= 0");
+      bases[s + 1] = bases[s] + shard_sizes[s];
+    }
+    if (static_cast<int64_t>(entries.shape(0)) != bases.back())
+      throw std::invalid_argument("a merged order holds one entry per token of its shards");
+  }
+
+  vrs::MergedOrder view() const {
+    return {entries.data(), entries.dtype() == nb::dtype<uint64_t>(), static_cast<int64_t>(entries.shape(0)),
+            bases.data(), static_cast<int>(bases.size()) - 1, depth};
+  }
+
+  // The order belongs to exactly these shards (their sizes, in order).
+  void check_shards(const std::vector<const SuffixStore*>& shards) const {
+    bool same = shards.size() + 1 == bases.size();
+    for (size_t s = 0; same && s < shards.size(); ++s)
+      same = static_cast<int64_t>(shards[s]->tokens.shape(0)) == bases[s + 1] - bases[s];
+    if (!same) throw std::invalid_argument("store_order was merged from other shards than store's");
+  }
+};
+
 void check_rest_params(const vrs::RestParams& prm) {
   if (prm.n_min < 1 || prm.n_max < prm.n_min)
     throw std::invalid_argument("need 1 <= n_min <= n_max");
@@ -362,16 +396,20 @@ std::vector<vrs::SuffixIndex<Tok, Idx>> shard_indexes(const std::vector<const Su
 
 // fn(shards) with the shards typed by the token and suffix-array dtypes all shards of a store share.
 template <typename Fn>
-void visit_shards(const std::vector<const SuffixStore*>& stores, vrs::SelectionCache* cache, Fn&& fn) {
+void visit_shards(const std::vector<const SuffixStore*>& stores, vrs::SelectionCache* cache,
+                  const MergedOrderStore* order, Fn&& fn) {
   for (const SuffixStore* shard : stores)
     if (shard == nullptr || shard->tokens.dtype() != stores[0]->tokens.dtype() ||
         shard->suffix_array.dtype() != stores[0]->suffix_array.dtype() || shard->separator != stores[0]->separator)
       throw std::invalid_argument("the shards of a store must share their token and suffix-array dtypes and separator");
+  if (order != nullptr) order->check_shards(stores);
+  const std::optional<vrs::MergedOrder> order_view = order ? std::optional(order->view()) : std::nullopt;
   visit_index(*stores[0], [&](const auto& first) {
     using Tok = std::remove_cv_t<std::remove_pointer_t<decltype(first.tokens)>>;
     using Idx = std::remove_cv_t<std::remove_pointer_t<decltype(first.suffix_array)>>;
     const std::vector<vrs::SuffixIndex<Tok, Idx>> shards = shard_indexes<Tok, Idx>(stores);
-    fn(vrs::StoreShards<Tok, Idx>{shards.data(), static_cast<int>(shards.size()), cache});
+    fn(vrs::StoreShards<Tok, Idx>{shards.data(), static_cast<int>(shards.size()), cache,
+                                  order_view ? &*order_view : nullptr});
   });
 }
 
@@ -394,7 +432,8 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        std::optional<TokenMatrix<Cpu>> live_lengths,
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
-                       bool profile, int num_threads, vrs::SelectionCache* store_cache) {
+                       bool profile, int num_threads, vrs::SelectionCache* store_cache,
+                       const MergedOrderStore* store_order) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
   const size_t num_rows = rows.shape(0);
@@ -408,7 +447,7 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
   if (!store || store->empty() || !prm.use_datastore) {
     run_rest<uint16_t, int32_t>(nullptr, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
   } else {
-    visit_shards(*store, store_cache, [&](const auto& shards) {
+    visit_shards(*store, store_cache, store_order, [&](const auto& shards) {
       run_rest(&shards, out_index, inputs, tokens, lengths, rows, prm, out, num_threads);
     });
   }
@@ -504,15 +543,94 @@ void bind_rest(nb::module_& m) {
         nb::arg("live_lengths").none() = nb::none(), nb::arg("live_match_len").none() = nb::none(),
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
-        nb::arg("store_cache").none() = nb::none(),
+        nb::arg("store_cache").none() = nb::none(), nb::arg("store_order").none() = nb::none(),
         "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
-        "suffix array over their concatenation, the selections remembered in store_cache; unless store is None or "
+        "suffix array over their concatenation, continuations sampled through store_order, a MergedOrder of those "
+        "shards, else selected across them and remembered in store_cache; unless store is None or "
         "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and "
         "live continuations + context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "
         "when top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "
         "[rows], match_info [rows, 6], timings_ns [rows, 4] (None unless profile).");
+}
+
+// ---- A sharded store's merged order (merged_order.h) ----
+
+using CutMatrix = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, Cpu>;
+using OrderOutput = nb::ndarray<nb::ndim<1>, nb::c_contig, Cpu>;
+
+// fn(merger) over the shards, typed by their dtypes.
+template <typename Fn>
+void visit_merger(const std::vector<const SuffixStore*>& shards, int depth, Fn&& fn) {
+  if (shards.empty()) throw std::invalid_argument("a merged order needs at least one shard");
+  if (depth < 1) throw std::invalid_argument("depth must be >= 1");
+  visit_shards(shards, nullptr, nullptr, [&](const auto& store) {
+    using Index = std::remove_cv_t<std::remove_pointer_t<decltype(store.shards)>>;
+    fn(vrs::ShardMerger<Index>(store.shards, store.count, depth));
+  });
+}
+
+NewArray<int64_t, 2> merged_order_cuts(const std::vector<const SuffixStore*>& shards, int parts, int depth) {
+  if (parts < 1) throw std::invalid_argument("parts must be >= 1");
+  std::vector<int64_t> cuts;
+  {
+    nb::gil_scoped_release release;
+    visit_merger(shards, depth, [&](const auto& merger) { cuts = merger.cuts(parts); });
+  }
+  auto out = new_array<int64_t, 2>({static_cast<size_t>(parts) + 1, shards.size()}, 0);
+  std::copy(cuts.begin(), cuts.end(), out.data());
+  return out;
+}
+
+// Parts [first, last) of cuts merged into out, which starts where part `first` does.
+void merge_shard_parts(const std::vector<const SuffixStore*>& shards, CutMatrix cuts, int first, int last,
+                       int depth, OrderOutput out, int num_threads) {
+  const int count = static_cast<int>(shards.size());
+  if (static_cast<int>(cuts.shape(1)) != count || first < 0 || last <= first ||
+      last >= static_cast<int>(cuts.shape(0)))
+    throw std::invalid_argument("cuts must be [parts + 1, shards] and 0 <= first < last <= parts");
+  const int64_t* cut = cuts.data();
+  int64_t total = 0, entries = 0;
+  for (int s = 0; s < count; ++s) {
+    total += static_cast<int64_t>(shards[s]->tokens.shape(0));
+    for (int k = first; k < last; ++k)
+      if (cut[k * count + s] < 0 || cut[k * count + s] > cut[(k + 1) * count + s] ||
+          cut[(k + 1) * count + s] > static_cast<int64_t>(shards[s]->tokens.shape(0)))
+        throw std::invalid_argument("cuts must grow within each shard");
+    entries += cut[last * count + s] - cut[first * count + s];
+  }
+  const bool wide = out.dtype() == nb::dtype<uint64_t>();
+  if ((!wide && out.dtype() != nb::dtype<uint32_t>()) || static_cast<int64_t>(out.shape(0)) != entries)
+    throw std::invalid_argument("out must be uint32 or uint64 with one entry per merged suffix");
+  if (!wide && total > static_cast<int64_t>(UINT32_MAX)) throw std::invalid_argument("uint32 entries hold 2^32 tokens");
+  nb::gil_scoped_release release;
+  visit_merger(shards, depth, [&](const auto& merger) {
+    vrs::parallel_for(last - first, vrs::ThreadPlan{num_threads, last - first, 1}, [&](int64_t i) {
+      const int64_t* lo = cut + (first + i) * count;
+      int64_t offset = 0;
+      for (int s = 0; s < count; ++s) offset += lo[s] - cut[first * count + s];
+      if (wide) merger.merge(lo, lo + count, static_cast<uint64_t*>(out.data()) + offset);
+      else merger.merge(lo, lo + count, static_cast<uint32_t*>(out.data()) + offset);
+    });
+  });
+}
+
+void bind_merged_order(nb::module_& m) {
+  nb::class_<MergedOrderStore>(m, "MergedOrder",
+                               "A sharded store's merged order: one uint32/uint64 entry per token (the position "
+                               "in the shards' concatenated tokens of the suffix at each rank), the shards' token "
+                               "counts in store order and the depth it is sorted to (checked once, kept alive).")
+      .def(nb::init<AnyVector, const std::vector<int64_t>&, int>(), nb::arg("entries"), nb::arg("shard_sizes"),
+           nb::arg("depth"));
+  m.def("merged_order_cuts", &merged_order_cuts, nb::arg("shards"), nb::arg("parts"), nb::arg("depth"),
+        "[parts + 1, shards] int64: where each part of a merged order starts in every shard (list of "
+        "SuffixStore), cut at evenly spaced suffixes of the largest (GIL released).");
+  m.def("merge_shard_parts", &merge_shard_parts, nb::arg("shards"), nb::arg("cuts"), nb::arg("first"),
+        nb::arg("last"), nb::arg("depth"), nb::arg("out"), nb::arg("num_threads") = 0,
+        "Merge parts [first, last) of cuts into out (uint32/uint64, starting at part first): the shards' "
+        "suffixes sorted by their first depth tokens, ties in shard order, as positions in their "
+        "concatenated tokens (parts on the thread pool, GIL released).");
 }
 
 // ---- Merging drafts into trees (draft_merge.h) ----
@@ -578,6 +696,7 @@ void bind_drafting(nb::module_& m) {
         "Context n-gram drafts on a CUDA device (one thread per request) on the given stream.");
 #endif
   bind_rest(m);
+  bind_merged_order(m);
   m.def("merge_drafts", &merge_drafts, nb::arg("drafts"), nb::arg("lengths"),
         nb::arg("weights").none() = nb::none(), nb::arg("num_threads") = 0,
         "Each row's k drafts [rows, k, w] (lengths [rows, k]) merged into one tree, nodes in the "

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "context_ngram.h"
+#include "merged_order.h"
 #include "sharded_store.h"
 
 namespace vrs {
@@ -155,6 +156,14 @@ struct SuffixIndex {
 
   int64_t upper_bound(const int32_t* q, int len, int64_t lo, int64_t hi) const {
     return partition_point<true>(q, len, lo, hi);
+  }
+
+  // How many suffixes sort before q (its lower bound in the whole array).
+  int64_t rank_of(const int32_t* q, int len) const {
+    int64_t lo = 0, hi = size;
+    if (offsets == nullptr || (q[0] >= 0 && static_cast<int64_t>(q[0]) + 1 < num_offsets))
+      first_token_range(q[0], &lo, &hi);
+    return lower_bound(q, len, lo, hi);
   }
 
   // Whether q occurs: its first suffix-array entry and the end of its first-token bucket.
@@ -484,25 +493,33 @@ int longest_datastore_match(const SuffixIndex<Tok, Idx>& index, const int32_t* c
   return best;
 }
 
-// Insert up to max_matches continuations (cont_len tokens, stopping at separators) of the
-// suffix-array range [lo, hi) matched with match_len tokens, evenly strided over the range.
+// Insert the continuation (cont_len tokens, stopping at a separator) of the suffix at suffix-array
+// entry `entry` (read from disk: one outside the store continues with nothing) matched with
+// match_len tokens.
+template <typename Tok, typename Idx>
+void insert_continuation_at(const SuffixIndex<Tok, Idx>& index, int64_t entry, int match_len, int cont_len,
+                            int8_t source, ContinuationTrie& trie) {
+  std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(cont_len));
+  const int64_t pos = entry + match_len;
+  int len = 0;
+  while (index.valid(entry) && len < cont_len && pos + len < index.size &&
+         static_cast<uint32_t>(index.tokens[pos + len]) != index.separator) {
+    buffer[len] = index.tokens[pos + len];
+    ++len;
+  }
+  trie.insert(buffer.data(), len, source);
+}
+
+// Insert up to max_matches continuations of the suffix-array range [lo, hi) matched with
+// match_len tokens, evenly strided over the range.
 template <typename Tok, typename Idx>
 void insert_continuations(const SuffixIndex<Tok, Idx>& index, int64_t lo, int64_t hi, int match_len,
                           int max_matches, int cont_len, int8_t source, ContinuationTrie& trie) {
   const int64_t found = hi - lo;
   const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
-  std::vector<Tok>& buffer = trie.gather_buffer<Tok>(static_cast<size_t>(cont_len));
-  for (int j = 0; j < take; ++j) {
-    const int64_t entry = static_cast<int64_t>(index.suffix_array[lo + (j * found) / take]);
-    const int64_t pos = entry + match_len;
-    int len = 0;
-    while (index.valid(entry) && len < cont_len && pos + len < index.size &&
-           static_cast<uint32_t>(index.tokens[pos + len]) != index.separator) {
-      buffer[len] = index.tokens[pos + len];
-      ++len;
-    }
-    trie.insert(buffer.data(), len, source);
-  }
+  for (int j = 0; j < take; ++j)
+    insert_continuation_at(index, static_cast<int64_t>(index.suffix_array[lo + (j * found) / take]), match_len,
+                           cont_len, source, trie);
 }
 
 // A datastore REST searches: one or more shards (suffix arrays over their own documents) searched
@@ -512,6 +529,7 @@ struct StoreShards {
   const SuffixIndex<Tok, Idx>* shards;
   int count;
   SelectionCache* cache = nullptr;  // selections of earlier steps (none: select every time)
+  const MergedOrder* order = nullptr;  // the shards' merged order (none: select across them)
 };
 
 // The longest match in any shard (the same n as one array over all of them) and every shard's
@@ -543,13 +561,16 @@ int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx
     int64_t first, bucket_end;
     if (shard.occurs(ctx + n - best, best, &first, &bucket_end))
       ranges[s] = {first, shard.upper_bound(ctx + n - best, best, first, bucket_end)};
+    else if (store.order != nullptr)  // where it would sit: the merged order's run starts at the sum
+      ranges[s].lo = ranges[s].hi = shard.rank_of(ctx + n - best, best);
   }
   return best;
 }
 
 // insert_continuations over the shards' ranges as one: the evenly strided ranks of their union
-// in lexicographic order, each found by selection (ShardSelector).
-// The selection is remembered by the matched tokens (store.cache): it depends on nothing else.
+// in lexicographic order, read from the store's merged order when it is deep enough for the
+// match and its continuations (merged_order.h), else each found by selection (ShardSelector).
+// A selection is remembered by the matched tokens (store.cache): it depends on nothing else.
 template <typename Tok, typename Idx>
 void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std::vector<ShardRange>& ranges,
                                   const int32_t* match, int match_len, int max_matches, int cont_len, int8_t source,
@@ -558,9 +579,20 @@ void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std:
     insert_continuations(store.shards[0], ranges[0].lo, ranges[0].hi, match_len, max_matches, cont_len, source, trie);
     return;
   }
-  int64_t found = 0;
-  for (const ShardRange& range : ranges) found += range.size();
+  int64_t found = 0, first = 0;
+  for (const ShardRange& range : ranges) {
+    found += range.size();
+    first += range.lo;
+  }
   const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
+  if (store.order != nullptr && match_len + cont_len <= store.order->depth) {
+    for (int j = 0; j < take; ++j) {
+      const ShardPosition at = store.order->locate(first + (j * found) / take);
+      insert_continuation_at(store.shards[std::max(at.shard, 0)], at.shard < 0 ? -1 : at.position, match_len,
+                             cont_len, source, trie);
+    }
+    return;
+  }
   thread_local std::vector<ShardEntry> entries;
   const SelectionKey key{match, match_len, cont_len, take};
   const bool cached = store.cache != nullptr && found > take;  // else every match is taken: nothing to select
@@ -574,7 +606,8 @@ void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std:
   }
   for (const ShardEntry& entry : entries) {
     const SuffixIndex<Tok, Idx>& shard = store.shards[entry.shard];
-    insert_continuations(shard, entry.index, entry.index + 1, match_len, 1, cont_len, source, trie);
+    insert_continuation_at(shard, static_cast<int64_t>(shard.suffix_array[entry.index]), match_len, cont_len,
+                           source, trie);
   }
 }
 

@@ -71,8 +71,10 @@ def test_added_and_removed_documents_leave_what_a_fresh_build_of_the_rest_holds(
     untouched = {shard.path.name for shard in before.shards} - set(removed.shards_retired)
     assert untouched and untouched <= set(store.manifest.shards)  # shards without removed documents are kept
     assert not any((sharded / name).exists() for name in removed.shards_retired)
+    assert store.manifest.merged_order.file == "order-00002.bin"  # merged again at each edit, the old deleted
+    assert store.manifest.merged_order.shards == store.manifest.shards
     assert sorted(p.name for p in sharded.iterdir() if not p.name.startswith(".")) == sorted(
-        [*store.manifest.shards, "manifest.json"])
+        [*store.manifest.shards, "manifest.json", store.manifest.merged_order.file])
 
 
 def test_ids_are_never_reused_and_a_store_emptied_keeps_one_shard(model_dir, more_sources, sharded):

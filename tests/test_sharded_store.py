@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pydivsufsort import divsufsort
 
 from vllm_retrieval_spec.datastores.format import DatastoreError
+from vllm_retrieval_spec.datastores.merged_order import merge_shard_orders
 from vllm_retrieval_spec.datastores.reader import first_token_offsets
 from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
 from vllm_retrieval_spec.kernels.extension import load_extension
@@ -53,10 +54,33 @@ class InMemoryStore:
 class InMemoryShards:
     shards: tuple[InMemoryStore, ...]
     selection_cache: object = None
+    merged_order: object = None
 
     def cached(self, slots: int) -> InMemoryShards:
         """The same shards with a selection cache of ``slots`` slots."""
         return InMemoryShards(self.shards, load_extension().SelectionCache(slots))
+
+    def merged_entries(self, depth: int, workers: int = 1, parts: int | None = None) -> np.ndarray:
+        """The shards' merged order to ``depth`` tokens, as the extension merges it."""
+        return merge_shard_orders(self.shards, np.empty(sum(len(s.tokens) for s in self.shards), np.uint32),
+                                  depth=depth, workers=workers, parts=parts)
+
+    def merged(self, depth: int, workers: int = 1, parts: int | None = None) -> InMemoryShards:
+        """The same shards drafting through their merged order to ``depth`` tokens."""
+        order = load_extension().MergedOrder(self.merged_entries(depth, workers, parts),
+                                             [len(s.tokens) for s in self.shards], depth)
+        return InMemoryShards(self.shards, None, order)
+
+
+def reference_merged_order(shards: tuple[InMemoryStore, ...], depth: int) -> np.ndarray:
+    """Every shard's suffixes (positions in the concatenated tokens) sorted by their first
+    ``depth`` tokens, ties in shard order, then in the shard's own order."""
+    keyed, base = [], 0
+    for index, shard in enumerate(shards):
+        tokens = shard.tokens.tolist()
+        keyed += [(tokens[p:p + depth], index, rank, base + p) for rank, p in enumerate(shard.suffix_array.tolist())]
+        base += len(tokens)
+    return np.array([position for *_, position in sorted(keyed)], np.uint32)
 
 
 def drafts(store: object, queries: list[list[int]], params: RestParams) -> dict[str, np.ndarray]:
@@ -99,7 +123,13 @@ def test_shards_draft_what_one_suffix_array_over_their_documents_drafts(corpus, 
                         use_context=False, min_ratio=0.0)
     expected = drafts(single, queries, params)
     cached = sharded.cached(data.draw(st.integers(1, 4), label="cache slots"))
-    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params)):
+    depth = data.draw(st.integers(1, 24), label="merged order depth")  # below match + continuation: selection
+    workers, parts = data.draw(st.integers(1, 2), label="workers"), data.draw(st.integers(1, 9), label="parts")
+    np.testing.assert_array_equal(sharded.merged_entries(depth, workers, parts),
+                                  reference_merged_order(sharded.shards, depth))
+    merged = sharded.merged(depth, workers, parts)
+    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params),
+                  drafts(merged, queries, params)):
         for key, value in expected.items():
             np.testing.assert_array_equal(found[key], value, err_msg=key)
 
@@ -115,7 +145,8 @@ def test_many_matches_are_sampled_alike_across_shards():
     expected = drafts(single, queries, params)
     assert (expected["match_info"][:, 2] > 1000).all()
     cached = sharded.cached(4096)
-    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params)):
+    for found in (drafts(sharded, queries, params), drafts(cached, queries, params), drafts(cached, queries, params),
+                  drafts(sharded.merged(11, workers=2, parts=13), queries, params)):
         for key, value in expected.items():
             np.testing.assert_array_equal(found[key], value, err_msg=key)
 
@@ -184,6 +215,73 @@ def test_a_bad_sharded_store_is_refused_naming_the_shard(tmp_path, damage):
         open_datastore(path, TINY_TOKENIZER)
 
 
+def _merged_store(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
+    """A store of three shards given its merged order by ``merge_order`` (as for a store built
+    before builds wrote one), and its documents."""
+    from vllm_retrieval_spec.datastores.sharded_edit import merge_order
+
+    documents = repetitive_documents(seed=8, count=12)
+    path = write_sharded_store(tmp_path / "store", [documents[:5], documents[5:9], documents[9:]])
+    merge_order(path, progress=False)
+    return path, documents
+
+
+def test_a_merged_order_is_published_and_drafts_like_one_array(tmp_path):
+    path, documents = _merged_store(tmp_path)
+    single = open_datastore(write_token_store(tmp_path / "single", documents))
+    store = open_datastore(path, TINY_TOKENIZER)
+    order = store.manifest.merged_order
+    assert store.merged_order is not None and order.shards == store.manifest.shards and order.dtype == "uint32"
+    assert sorted(p.name for p in path.iterdir() if not p.name.startswith(".")) == sorted(
+        [*store.manifest.shards, "manifest.json", order.file])
+    store.check_fully()
+    assert f"merged order {order.file}" in store.describe()
+    rng = np.random.default_rng(9)
+    queries = [document[i:i + 6].tolist() for document, i in zip(documents, rng.integers(0, 50, 12))]
+    params = RestParams(n_min=1, n_max=6, max_matches=4, cont_len=8, top_k=16, chain_len=8, use_context=False)
+    expected, found = drafts(single, queries, params), drafts(store, queries, params)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+
+
+def _edit_order(path: Path, **changes: object) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    _edit(path, merged_order={**manifest["merged_order"], **changes})
+
+
+BAD_ORDERS = {
+    "truncated": (lambda p: (p / "order-00000.bin").write_bytes((p / "order-00000.bin").read_bytes()[:-4]),
+                  r"order-00000\.bin is truncated"),
+    "merged from other shards": (lambda p: _edit_order(p, shards=["shard-00000", "shard-00001"]),
+                                 "'merged_order' merges"),
+    "a name outside the store": (lambda p: _edit_order(p, file="../order-00000.bin"), r"order-NNNNN\.bin"),
+    "an unknown dtype": (lambda p: _edit_order(p, dtype="int8"), "uint32 or uint64"),
+    "a mistyped depth": (lambda p: _edit_order(p, depth="64"), "merged_order.depth"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD_ORDERS)
+def test_a_bad_merged_order_is_refused_naming_it(tmp_path, damage):
+    path, _ = _merged_store(tmp_path)
+    change, message = BAD_ORDERS[damage]
+    change(path)
+    with pytest.raises(DatastoreError, match=message):
+        open_datastore(path, TINY_TOKENIZER)
+
+
+def test_a_merged_order_that_fails_its_checksum_is_found_by_the_full_check(tmp_path):
+    """Entries are not trusted before: one outside the store continues with nothing."""
+    path, documents = _merged_store(tmp_path)
+    entries = np.fromfile(path / "order-00000.bin", np.uint32)
+    entries[::2] = np.iinfo(np.uint32).max
+    entries.tofile(path / "order-00000.bin")
+    store = open_datastore(path, TINY_TOKENIZER)
+    params = RestParams(n_min=1, n_max=2, max_matches=64, cont_len=8, top_k=16, chain_len=8, use_context=False)
+    assert drafts(store, [document[:3].tolist() for document in documents], params)["match_info"][:, 2].min() > 0
+    with pytest.raises(DatastoreError, match=r"order-00000\.bin is corrupt"):
+        store.check_fully()
+
+
 # ---- Building with the real tokenizer ----
 
 
@@ -198,7 +296,7 @@ def test_a_sharded_build_splits_documents_and_drafts_like_one_array(model_dir, p
                              shard_tokens=1_000, workers=workers)
     identity = tokenizer_identity(model_dir)
     single, sharded = open_datastore(tmp_path / "single", identity), open_datastore(tmp_path / "sharded", identity)
-    assert isinstance(sharded, ShardedDatastore) and len(sharded.shards) >= 4
+    assert isinstance(sharded, ShardedDatastore) and len(sharded.shards) >= 4 and sharded.merged_order is not None
     assert (report.num_tokens, report.num_documents) == (single_report.num_tokens, single_report.num_documents)
     assert all(shard.manifest.num_tokens <= 1_000 for shard in sharded.shards)
     joined = np.concatenate([np.asarray(shard.tokens) for shard in sharded.shards])
@@ -283,7 +381,10 @@ def test_a_killed_sharded_build_leaves_no_store_and_the_next_one_resumes(model_d
         np.testing.assert_array_equal(np.asarray(shard.tokens), np.asarray(twin.tokens))
         np.testing.assert_array_equal(np.asarray(shard.suffix_array), np.asarray(twin.suffix_array))
     store.check_fully()
-    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", *(s.path.name for s in store.shards)]
+    order = store.manifest.merged_order
+    assert order is not None and order.sha256 == expected.manifest.merged_order.sha256
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", order.file,
+                                                        *(s.path.name for s in store.shards)]
     assert reference.num_tokens == store.manifest.num_tokens
 
 

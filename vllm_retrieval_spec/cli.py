@@ -8,7 +8,8 @@
   answer prompts through the OpenAI client and compare acceptance and speed.
 - ``datastore build / inspect``: build a REST datastore from files, directories, zips or JSONL
   (or a recipe in ``datastores/``), and check one; ``add / remove``: grow or shrink a sharded
-  store in place (a running server picks the change up); ``build-dense``: a DReSD store;
+  store in place (a running server picks the change up); ``merge-order``: a sharded store's merged
+  order, for one built without it; ``build-dense``: a DReSD store;
   ``from-server``: stores from a server's answers to a prompt file (a running one, or one started
   here that captures DReSD's keys as it answers).
 - ``ngram-table build``: N-Grammys' model-derived bigram tables for a model.
@@ -301,6 +302,15 @@ def _datastore_remove(args: argparse.Namespace) -> None:
     print(remove_documents(args.store, _document_ids(args.document)).describe())
 
 
+def _datastore_merge_order(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastores.sharded_edit import merge_order
+
+    require_ints({"--workers": (args.workers, 1, 4096)}, CommandLineError)
+    order = merge_order(args.store, workers=args.workers).merged_order
+    print(f"{args.store}: merged order {order.file} ({order.bytes / 1e6:.1f} MB) published" if order else
+          f"{args.store} holds one shard, which needs no merged order")
+
+
 def _document_ids(values: Sequence[str]) -> list[int]:
     """``--document`` values (``N`` or ``FIRST-LAST``) as ids."""
     ids: list[int] = []
@@ -433,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="document ids (N, or FIRST-LAST for a range) as `datastore inspect` and `datastore "
                         "add` list them")
     remove.set_defaults(handler=_datastore_remove)
+    merge = datastore_commands.add_parser(
+        "merge-order", help="write a sharded datastore's merged order (builds and edits write it; for stores built "
+        "before), so REST samples continuations with one read each")
+    merge.add_argument("store", help="sharded datastore directory")
+    merge.add_argument("--workers", type=int, default=1, help="parts merged at once (threads; default 1)")
+    merge.set_defaults(handler=_datastore_merge_order)
     inspect = datastore_commands.add_parser("inspect", help="print the manifest and run sanity checks")
     inspect.add_argument("path")
     inspect.add_argument("--full", action="store_true", help="also verify the files' sha256")

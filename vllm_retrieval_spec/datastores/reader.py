@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +66,7 @@ class TokenDatastore(VerifiedInBackground):
     def prefetch(self, wait: bool = False) -> None:
         """Ask the kernel to read both files into the page cache (``madvise(WILLNEED)``, which
         returns at once); with ``wait`` also touch every page so that lookups never fault."""
-        for array in (self.tokens, self.suffix_array):
-            mapping = getattr(array, "_mmap", None)
-            if mapping is not None and hasattr(mmap, "MADV_WILLNEED"):
-                mapping.madvise(mmap.MADV_WILLNEED)
-            if wait:
-                step = 1 << 24
-                for start in range(0, len(array), step):
-                    int(np.asarray(array[start:start + step]).max())
+        prefetch_arrays((self.tokens, self.suffix_array), wait)
 
     @property
     def separator(self) -> int:
@@ -116,6 +110,18 @@ class TokenDatastore(VerifiedInBackground):
             f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
             f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
         ])
+
+
+def prefetch_arrays(arrays: Sequence[np.ndarray], wait: bool) -> None:
+    """``madvise(WILLNEED)`` on memory-mapped ``arrays``; with ``wait`` also touch every page."""
+    for array in arrays:
+        mapping = getattr(array, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_WILLNEED"):
+            mapping.madvise(mmap.MADV_WILLNEED)
+        if wait:
+            step = 1 << 24
+            for start in range(0, len(array), step):
+                int(np.asarray(array[start:start + step]).max())
 
 
 def first_token_offsets(

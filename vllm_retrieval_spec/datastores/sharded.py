@@ -8,7 +8,9 @@ A sharded datastore directory holds:
   token and document counts, the token dtype and separator every shard shares, the tokenizer's
   identity, how it was built, and each shard's document ids (runs of ``[first, stop)``; ids are
   given in order as documents are built or added, never reused; stores that do not list them
-  number their documents consecutively).
+  number their documents consecutively), and the ``merged_order`` of a store of several shards;
+- ``order-NNNNN.bin``: that merged order (``merged_order.py``), which REST samples continuations
+  through.
 
 ``sharded_edit.py`` grows and shrinks a store in place; every change ends by renaming a new
 manifest over the old one, so a reader sees the store before or after it, never between.
@@ -32,7 +34,8 @@ import numpy as np
 
 from vllm_retrieval_spec.datastores.background_check import VerifiedInBackground
 from vllm_retrieval_spec.datastores.format import DATASTORE, TOKEN_DTYPES, DatastoreError
-from vllm_retrieval_spec.datastores.reader import TokenDatastore
+from vllm_retrieval_spec.datastores.merged_order import MergedOrderRecord, open_merged_order
+from vllm_retrieval_spec.datastores.reader import TokenDatastore, prefetch_arrays
 from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.storage import (
     MANIFEST,
@@ -42,6 +45,7 @@ from vllm_retrieval_spec.storage import (
     manifest_record,
     read_manifest,
     refuse_another_identity,
+    verify_file_records,
 )
 
 FORMAT_VERSION = 1
@@ -87,6 +91,7 @@ class ShardedManifest:
     build: dict[str, Any]
     document_ids: list[Any] | None = None  # per shard, runs [first, stop) of its documents' ids
     next_document_id: int | None = None  # the id the next added document gets
+    merged_order: MergedOrderRecord | None = None  # of several shards (merged_order.py)
 
     def write(self, directory: Path) -> None:
         """Write the manifest next to its place and rename it there (a reader sees all or nothing)."""
@@ -99,8 +104,12 @@ class ShardedManifest:
         """The validated manifest: counts in range and at least one shard, each named
         ``shard-NNNNN`` (a directory inside this one: nothing a manifest says reaches outside)."""
         raw = read_manifest(directory, SHARDED_DATASTORE)
-        tokenizer = manifest_record(directory, TokenizerIdentity, raw["tokenizer"], SHARDED_DATASTORE, "tokenizer")
-        manifest = manifest_record(directory, cls, raw | {"tokenizer": tokenizer}, SHARDED_DATASTORE)
+        nested = {"tokenizer": manifest_record(directory, TokenizerIdentity, raw["tokenizer"], SHARDED_DATASTORE,
+                                               "tokenizer")}
+        if raw.get("merged_order") is not None:
+            nested["merged_order"] = manifest_record(directory, MergedOrderRecord, raw["merged_order"],
+                                                     SHARDED_DATASTORE, "merged_order")
+        manifest = manifest_record(directory, cls, raw | nested, SHARDED_DATASTORE)
         check_manifest_ints(directory, SHARDED_DATASTORE, {
             "num_tokens": (manifest.num_tokens, 0, None),
             "num_documents": (manifest.num_documents, 0, manifest.num_tokens),
@@ -157,8 +166,10 @@ def id_runs(ids: np.ndarray) -> list[list[int]]:
 @dataclass
 class ShardedDatastore(VerifiedInBackground):
     """Shards opened as datastores (memory-mapped, quick checks at open), which REST searches as
-    one suffix array, remembering in ``selection_cache`` the continuations it selected for
-    frequent queries; ``usable`` until a checksum of any shard fails in the background."""
+    one suffix array, sampling continuations through their ``merged_order`` (the extension's,
+    when the manifest lists one) or else remembering in ``selection_cache`` the continuations it
+    selected for frequent queries; ``usable`` until a checksum of any file fails in the
+    background."""
 
     noun = "datastore"
     drafter = "REST"
@@ -166,6 +177,8 @@ class ShardedDatastore(VerifiedInBackground):
     path: Path
     manifest: ShardedManifest
     shards: tuple[TokenDatastore, ...]
+    merged_order: Any = None
+    order_entries: np.ndarray | None = None  # what merged_order reads (memory-mapped)
     selection_cache: Any = field(default_factory=lambda: load_extension().SelectionCache(SELECTION_CACHE_SLOTS))
 
     @classmethod
@@ -190,7 +203,11 @@ class ShardedDatastore(VerifiedInBackground):
         for key, total in totals.items():
             if getattr(manifest, key) != total:
                 raise SHARDED_DATASTORE.corrupt(path, f"{key!r} is {getattr(manifest, key)}, its shards hold {total}")
-        return cls(path=path, manifest=manifest, shards=shards)
+        entries, order = None, None
+        if manifest.merged_order is not None:
+            entries, order = open_merged_order(path, manifest.merged_order, manifest.shards,
+                                               [s.manifest.num_tokens for s in shards], SHARDED_DATASTORE)
+        return cls(path=path, manifest=manifest, shards=shards, merged_order=order, order_entries=entries)
 
     def check_tokenizer(self, expected: TokenizerIdentity) -> None:
         refuse_another_identity(SHARDED_DATASTORE, self.path, self.manifest.tokenizer, expected)
@@ -198,6 +215,8 @@ class ShardedDatastore(VerifiedInBackground):
     def prefetch(self, wait: bool = False) -> None:
         for shard in self.shards:
             shard.prefetch(wait)
+        if self.order_entries is not None:
+            prefetch_arrays([self.order_entries], wait)
 
     @property
     def separator(self) -> int:
@@ -216,13 +235,16 @@ class ShardedDatastore(VerifiedInBackground):
         return self.manifest.num_documents if listed is None else listed
 
     def check_fully(self) -> None:
-        """Every shard's checksums."""
+        """Every shard's checksums, and the merged order's."""
         for shard in self.shards:
             shard.check_fully()
+        if (order := self.manifest.merged_order) is not None:
+            verify_file_records(self.path, {order.file: {"sha256": order.sha256}}, SHARDED_DATASTORE)
 
     def describe(self) -> str:
         m = self.manifest
         size = sum(f["bytes"] for shard in self.shards for f in shard.manifest.files.values())
+        size += m.merged_order.bytes if m.merged_order else 0
         lines = [
             f"sharded datastore {self.path}",
             f"  format version {m.format_version}; {m.num_tokens:,} tokens ({m.token_dtype}), {m.num_documents:,} "
@@ -231,6 +253,9 @@ class ShardedDatastore(VerifiedInBackground):
             f"  {size / 1e6:.1f} MB on disk, {size / max(m.num_tokens, 1):.2f} bytes/token",
             f"  built {m.build.get('created', '?')} in {m.build.get('seconds', '?')} s",
         ]
+        if (order := m.merged_order) is not None:
+            lines.append(f"  merged order {order.file}: {order.dtype} entries sorted to {order.depth} tokens, "
+                         f"{order.bytes / 1e6:.1f} MB")
         for shard, runs in zip(self.shards, self.id_runs()):
             bytes_on_disk = sum(f["bytes"] for f in shard.manifest.files.values())
             lines.append(f"  {shard.path.name}: {shard.manifest.num_tokens:,} tokens, "

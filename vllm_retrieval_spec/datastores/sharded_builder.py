@@ -3,7 +3,8 @@
 The build happens in ``.<name>.resumable/`` next to the target: tokenizing writes the shards'
 token files and then ``plan.json`` (what was asked: inputs, tokenizer, shard size; and what
 tokenizing produced: each shard's counts); sorting writes each shard's suffix array and then its
-manifest; the store's manifest comes last, and the directory is renamed to the target. A build
+manifest; the shards' merged order (``merged_order.py``, for two shards or more) and the store's
+manifest come last, and the directory is renamed to the target. A build
 killed at any point leaves no store at the target, and the next build of the same plan resumes:
 tokenizing is skipped once its plan is written, and every shard whose manifest reads back with
 its checksums is kept. A different plan starts over (the directory holds only what a build
@@ -19,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ from vllm_retrieval_spec.datastores.format import (
     separator_for,
     token_dtype_for,
 )
+from vllm_retrieval_spec.datastores.merged_order import MergedOrderRecord, is_order_file, write_merged_order
+from vllm_retrieval_spec.datastores.reader import TokenDatastore
 from vllm_retrieval_spec.datastores.sharded import (
     FORMAT_VERSION,
     MAX_SHARD_TOKENS,
@@ -106,7 +109,8 @@ def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpe
         sorted_now = dict(zip([s.directory.name for s in todo],
                               finish_shards(todo, identity, build, started_at, workers, progress, ray_address)))
         shards = [kept.get(s.directory.name) or sorted_now[s.directory.name] for s in written]
-        _store_manifest(written, identity, build, started_at).write(work)
+        order = _merged_order(work, [s.directory.name for s in written], workers, progress)
+        replace(_store_manifest(written, identity, build, started_at), merged_order=order).write(work)
         (work / PLAN).unlink()
         (work / LOCK).unlink()
         os.replace(work, out_dir)
@@ -114,6 +118,15 @@ def build_sharded_datastore(tokenizer_dir: str | Path, inputs: Sequence[InputSpe
                        time.perf_counter() - start, tokenize_seconds, sum(s.sort_seconds for s in shards),
                        sum(s.bytes_on_disk for s in shards), tokenized["files_read"],
                        tokenized["files_skipped_binary"], shards_kept=len(kept))
+
+
+def _merged_order(work: Path, names: list[str], workers: int, progress: bool) -> MergedOrderRecord | None:
+    """The sorted shards' merged order, written in ``work`` (an earlier run's, killed, removed)."""
+    for entry in work.iterdir():
+        if is_order_file(entry):
+            entry.unlink()
+    shards = [TokenDatastore.open(work / name) for name in names]
+    return write_merged_order(work, shards, names, workers=workers, progress=progress)
 
 
 def _check_request(out_dir: Path, shard_tokens: int, workers: int) -> None:
@@ -177,7 +190,7 @@ def _written_by_a_build(entry: Path) -> bool:
         return False
     if entry.name in (LOCK, PLAN, PLAN + PARTIAL, MANIFEST):
         return entry.is_file()
-    return is_shard_directory(entry)
+    return is_shard_directory(entry) or is_order_file(entry)
 
 
 def is_shard_directory(entry: Path) -> bool:

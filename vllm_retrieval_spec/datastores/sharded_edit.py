@@ -5,7 +5,9 @@
 hidden ``.edit-*`` directory inside the store, moves the finished shards in under fresh names,
 and publishes them by renaming a new manifest over the old one: a reader (a serving engine,
 ``watch.py``) sees the store before or after the change, never between, and REST then drafts
-exactly what a store built from the remaining documents would. Document ids are given in order
+exactly what a store built from the remaining documents would. Every edit merges the shards'
+order again (``merged_order.py``; ``merge_order`` alone writes one for a store that has none)
+and publishes it with the manifest. Document ids are given in order
 as documents are added and never reused. One edit at a time per store (a lock); an edit killed
 midway leaves the store as it was, and the next edit clears what it left (only directories of
 the shape an edit writes: anything else is left alone).
@@ -36,6 +38,7 @@ from vllm_retrieval_spec.datastores.builder import (
     write_tokens,
 )
 from vllm_retrieval_spec.datastores.format import TOKENS, DatastoreError, token_dtype_for
+from vllm_retrieval_spec.datastores.merged_order import is_order_file, write_merged_order
 from vllm_retrieval_spec.datastores.reader import TokenDatastore
 from vllm_retrieval_spec.datastores.sharded import (
     MAX_SHARD_TOKENS,
@@ -101,7 +104,7 @@ def add_documents(store_dir: str | Path, tokenizer_dir: str | Path, inputs: Sequ
         added = consecutive_id_runs(first, [shard.num_documents for shard in files.written])
         stop = first + sum(shard.num_documents for shard in files.written)
         manifest = _publish(store, [*zip(store.manifest.shards, store.id_runs()), *zip(names, added)],
-                            files.written, next_document_id=stop)
+                            files.written, next_document_id=stop, workers=workers, progress=progress)
     return _report(store_dir, "added", [[first, stop]], names, [], manifest, start)
 
 
@@ -132,7 +135,8 @@ def remove_documents(store_dir: str | Path, document_ids: Sequence[int], *, prog
                       workers=1, progress=progress)
         new_names = _move_in(store_dir, written)
         manifest = _publish(store, [(entry if isinstance(entry, str) else entry.directory.name, runs)
-                                    for entry, runs in entries], written, next_document_id=store.next_document_id)
+                                    for entry, runs in entries], written, next_document_id=store.next_document_id,
+                            progress=progress)
         for name in retired:
             _delete_shard(store_dir / name)
     return _report(store_dir, "removed", id_runs(wanted), new_names, retired, manifest, start)
@@ -164,14 +168,18 @@ def _editing(store_dir: Path) -> Iterator[tuple[ShardedDatastore, Path]]:
 
 
 def _clear_abandoned(store_dir: Path, store: ShardedDatastore) -> None:
-    """Delete what a killed edit left: work directories and shards no manifest lists, when they
-    hold only what an edit writes (anything else stays, with a warning)."""
+    """Delete what a killed edit left: work directories, shards and order files no manifest
+    lists, when they hold only what an edit writes (anything else stays, with a warning)."""
     listed = set(store.manifest.shards)
     for entry in store_dir.iterdir():
         if entry.name.startswith(WORK_PREFIX) and entry.is_dir() and not entry.is_symlink():
             ours = all(is_shard_directory(child) for child in entry.iterdir())
         elif SHARD_NAME.fullmatch(entry.name) and entry.name not in listed:
             ours = is_shard_directory(entry)
+        elif is_order_file(entry) and (store.manifest.merged_order is None
+                                       or entry.name != store.manifest.merged_order.file):
+            entry.unlink()
+            continue
         else:
             continue
         if ours:
@@ -194,17 +202,30 @@ def _move_in(store_dir: Path, written: list[ShardWritten]) -> list[str]:
 
 
 def _publish(store: ShardedDatastore, entries: list[tuple[str, list[list[int]]]], written: list[ShardWritten],
-             next_document_id: int) -> ShardedManifest:
-    """Rename the store's new manifest into place (and return it): ``entries`` (shard name, its
-    id runs) in document order."""
+             next_document_id: int, workers: int = 1, progress: bool = True) -> ShardedManifest:
+    """Merge the shards' order and rename the store's new manifest into place (and return it):
+    ``entries`` (shard name, its id runs) in document order. The order it replaces is deleted."""
     counts = {shard.path.name: (shard.manifest.num_tokens, shard.manifest.num_documents) for shard in store.shards}
     counts |= {shard.directory.name: (shard.num_tokens, shard.num_documents) for shard in written}
     names = [name for name, _ in entries]
+    opened = {shard.path.name: shard for shard in store.shards}
+    shards = [opened.get(name) or TokenDatastore.open(store.path / name) for name in names]
     manifest = replace(store.manifest, shards=names, num_tokens=sum(counts[name][0] for name in names),
                        num_documents=sum(counts[name][1] for name in names),
-                       document_ids=[runs for _, runs in entries], next_document_id=next_document_id)
+                       document_ids=[runs for _, runs in entries], next_document_id=next_document_id,
+                       merged_order=write_merged_order(store.path, shards, names, workers=workers, progress=progress))
     manifest.write(store.path)
+    if store.manifest.merged_order is not None:
+        _delete_order(store.path / store.manifest.merged_order.file)
     return manifest
+
+
+def merge_order(store_dir: str | Path, *, workers: int = 1, progress: bool = True) -> ShardedManifest:
+    """Write the merged order of the sharded store at ``store_dir`` (a store built before stores
+    had one; any it has is replaced) and publish it."""
+    with _editing(Path(store_dir)) as (store, _):
+        return _publish(store, list(zip(store.manifest.shards, store.id_runs())), [],
+                        next_document_id=store.next_document_id, workers=workers, progress=progress)
 
 
 def _ids_of(runs: list[list[int]]) -> np.ndarray:
@@ -240,6 +261,13 @@ def _delete_shard(directory: Path) -> None:
         shutil.rmtree(directory)
     else:
         logger.warning("%s holds files no build wrote; left alone although no manifest lists it", directory)
+
+
+def _delete_order(path: Path) -> None:
+    """Delete an order file the new manifest no longer lists (an engine that still maps it keeps
+    its pages until it moves to the new manifest)."""
+    if is_order_file(path):
+        path.unlink()
 
 
 def _report(store_dir: Path, action: str, ids: list[list[int]], written: list[str], retired: list[str],

@@ -143,7 +143,8 @@ def rest_retrieve(
     ``dense_weight``; ``learned`` the same from the dense index learned from served traffic (its
     own source flag, ``SOURCE_LEARNED``); ``live`` the same from the requests in flight, each
     weighing ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight. A
-    sharded store's ``selection_cache`` keeps the continuations selected for a query across calls.
+    sharded store's continuations are sampled through its ``merged_order`` when it has one, else
+    selected across its shards and kept in its ``selection_cache`` across calls.
     ``num_threads`` caps the threads (0: one per core); small batches run on one."""
     ext = load_extension()
     shards = _drafting_store(store)
@@ -161,6 +162,7 @@ def rest_retrieve(
         profile=profile,
         num_threads=num_threads,
         store_cache=getattr(store, "selection_cache", None) if shards else None,
+        store_order=getattr(store, "merged_order", None) if shards else None,
     )
     return RestDrafts(**arrays)
 
