@@ -12,7 +12,9 @@
 //
 // Selecting is the costly part (thousands of matches of a short query: a hundred selections, each
 // a few binary searches per shard), and its result depends only on the matched tokens and the
-// sampling parameters: a SelectionCache keeps the selections of frequent queries per store.
+// sampling parameters: a SelectionCache keeps the selections of frequent queries per store. A
+// store with a merged order (merged_order.h) reads each sampled rank instead, and selects only
+// where a match and its continuation run deeper than the order is sorted.
 #pragma once
 
 #include <algorithm>
