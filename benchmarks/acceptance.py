@@ -156,6 +156,8 @@ CONFIGS: dict[str, dict] = {
     "hybrid_tree_k32": _ours("HybridProposer", 32, tree=True),
     # ... and with the dense index learned from served traffic (DReSD's in-distribution store, grown while serving).
     "hybrid_learned_k32": _ours("HybridProposer", 32, dense_learned_positions=65_536),
+    # ... probing 16 of the store's IVF lists instead of its 64 (a search ~6x cheaper at 8 in flight).
+    "hybrid_learned_k32_np16": _ours("HybridProposer", 32, dense_learned_positions=65_536, dense_nprobe=16),
     "dresd_k32": _ours("DReSDProposer", 32),
     # The DReSD paper's draft shapes (neighbours x value tokens): its best sampling one 10 x 10, its
     # best greedy one 3 x 20 (python-code-dense-long: the default store's positions, 20-token values).
@@ -163,6 +165,7 @@ CONFIGS: dict[str, dict] = {
     "dresd_k32_3x20": _ours("DReSDProposer", 32, dense_datastore="python-code-dense-long", dense_neighbours=3),
     "dresd_k32_32x20": _ours("DReSDProposer", 32, dense_datastore="python-code-dense-long"),
     "dresd_learned_k32": _ours("DReSDProposer", 32, dense_learned_positions=65_536),
+    "dresd_learned_k32_np16": _ours("DReSDProposer", 32, dense_learned_positions=65_536, dense_nprobe=16),
     # ... kept on disk (LEARNED_DENSE_DIR): a run restores what the previous run of this config learned.
     "dresd_learned_saved_k32": _ours("DReSDProposer", 32, dense_learned_positions=65_536,
                                      dense_learned_path=str(LEARNED_DENSE_DIR)),

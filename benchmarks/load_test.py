@@ -177,8 +177,9 @@ def benchmark_server(label: str, url: str, requests: list[LoadRequest], args: ar
         row = {"server": label, "url": url, **summarize_run(run)}
         if watch is not None:
             row["engine_rss"] = memory = watch.report()
-            print(f"{label} c={concurrency}: engine RSS (requests, MiB) {memory['rss_mib']}; growth from "
-                  f"request {memory['after']}: {memory['growth']}")
+            print(f"{label} c={concurrency}: engine RSS (requests, MiB) {memory['rss_mib']}, of which "
+                  f"anonymous {memory['anon_mib']}; growth from request {memory['after']}: {memory['growth']} "
+                  f"(anonymous {memory['anon_growth']})")
         if reference is not None:
             row["compare"] = count_differences(run.results, reference,
                                                [request.is_greedy(args.temperature) for request in requests])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import faiss
 import numpy as np
@@ -33,6 +34,8 @@ from vllm_retrieval_spec.datastores.dense_index import IndexLimits, fit_transfor
 from vllm_retrieval_spec.datastores.recipes import load_recipe
 from vllm_retrieval_spec.datastores.sources import DocumentStream, InputSpec
 from vllm_retrieval_spec.ngrams.table import ModelIdentity
+from vllm_retrieval_spec.options import RetrievalSpecOptions
+from vllm_retrieval_spec.proposers.dense_source import DenseSource
 from vllm_retrieval_spec.storage import file_records
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -181,6 +184,11 @@ def test_ivf_is_chosen_above_the_flat_threshold(model_dir, model, short_input, t
     if hasattr(faiss, "IO_FLAG_MMAP_IFC"):  # the lists are mapped in place, shared between processes
         maps = Path("/proc/self/maps").read_text().splitlines()
         assert any(line.split()[1].endswith("s") and line.endswith(str(out / "index.faiss")) for line in maps)
+    config = SimpleNamespace(model_config=SimpleNamespace(model=str(model_dir)),
+                             device_config=SimpleNamespace(device="cpu"))
+    for nprobe, probed in ((0, report.manifest.index.nprobe), (1, 1)):  # the option: 0 keeps the store's
+        options = RetrievalSpecOptions(dense_datastore=str(out), dense_nprobe=nprobe)
+        assert DenseSource(options, config, "test").store.index.nprobe == probed
 
 
 def copy_model_files(model_dir: Path, target: Path) -> Path:

@@ -381,10 +381,11 @@ def test_only_comparable_requests_are_compared():
 
 def test_memory_watch_samples_every_n_requests_and_reports_growth(monkeypatch):
     rss = iter([100, 200, 210, 220, 231])
-    monkeypatch.setattr(load, "engine_rss_bytes", lambda: next(rss) << 20)
+    monkeypatch.setattr(load, "engine_memory_bytes", lambda: (next(rss) << 20, 50 << 20))
     watch = MemoryWatch(every=100)
     for finished in range(1, 501):
         watch(finished)
     report = watch.report(after=200)
     assert report["rss_mib"] == [[100, 100.0], [200, 200.0], [300, 210.0], [400, 220.0], [500, 231.0]]
-    assert report["growth"] == pytest.approx(231 / 200 - 1)
+    assert report["anon_mib"] == [[n, 50.0] for n in range(100, 501, 100)]
+    assert report["growth"] == pytest.approx(231 / 200 - 1) and report["anon_growth"] == 0.0

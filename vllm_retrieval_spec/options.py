@@ -183,6 +183,11 @@ class RetrievalSpecOptions:
     dense_neighbours: int = _option(
         32, _int_in(1, 1024), "DReSD, Hybrid: nearest neighbours of the hidden state searched per request and step"
     )
+    dense_nprobe: int = _option(
+        0, _int_in(0, 1 << 20),
+        "DReSD, Hybrid: IVF lists the dense datastore's search probes (0: the store's own, set when it was built; "
+        "fewer: a faster search that finds fewer of the true nearest neighbours; no effect on a flat index)",
+    )
     dense_weight: float = _option(
         1.0, _float_in(0.0, 1e6),
         "DReSD, Hybrid: weight of one neighbour's continuation in the trie (a context one weighs context_weight)",

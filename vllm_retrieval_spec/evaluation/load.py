@@ -388,37 +388,47 @@ def run_load_sync(base_url: str, requests: Sequence[LoadRequest], settings: Load
 ENGINE_PROCESS_TITLES = ("EngineCore", "VLLM::Worker")  # the engine core and its executor's workers (the model)
 
 
-def engine_rss_bytes() -> int:
-    """Resident memory of this machine's vLLM engine processes: the engine cores and their
+def engine_memory_bytes() -> tuple[int, int]:
+    """Resident memory of this machine's vLLM engine processes — the engine cores and their
     workers, which hold the model runner and our drafting state (titled ``VLLM::EngineCore``,
-    ``VLLM::Worker``)."""
+    ``VLLM::Worker``) — and the anonymous part of it (resident less shared: not the pages of
+    memory-mapped files such as datastores, which the page cache holds once for every process)."""
     import psutil
 
-    total = 0
+    resident = anonymous = 0
     for process in psutil.process_iter(["cmdline", "memory_info"]):
         command = " ".join(process.info["cmdline"] or ())
-        if any(title in command for title in ENGINE_PROCESS_TITLES) and process.info["memory_info"] is not None:
-            total += process.info["memory_info"].rss
-    return total
+        memory = process.info["memory_info"]
+        if any(title in command for title in ENGINE_PROCESS_TITLES) and memory is not None:
+            resident += memory.rss
+            anonymous += memory.rss - getattr(memory, "shared", 0)
+    return resident, anonymous
 
 
 @dataclass
 class MemoryWatch:
-    """Engine RSS sampled every ``every`` finished requests of a run (a leak shows as growth)."""
+    """Engine memory (resident, anonymous) sampled every ``every`` finished requests of a run (a
+    leak shows as growth)."""
 
     every: int
-    samples: list[tuple[int, int]] = field(default_factory=list)
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __call__(self, finished: int) -> None:
         if finished % self.every == 0:
-            self.samples.append((finished, engine_rss_bytes()))
+            self.samples.append((finished, *engine_memory_bytes()))
 
     def report(self, after: int = 200) -> dict[str, Any]:
-        """Samples in MiB and the growth from the first sample at or after ``after`` requests."""
-        later = [rss for finished, rss in self.samples if finished >= after]
-        growth = later[-1] / later[0] - 1.0 if len(later) >= 2 and later[0] else None
-        return {"every": self.every, "after": after, "growth": growth,
-                "rss_mib": [[finished, round(rss / 2**20, 1)] for finished, rss in self.samples]}
+        """Samples in MiB and each measure's growth from the first sample at or after ``after``
+        requests."""
+        def growth(column: int) -> float | None:
+            later = [sample[column] for sample in self.samples if sample[0] >= after]
+            return later[-1] / later[0] - 1.0 if len(later) >= 2 and later[0] else None
+
+        def mib(column: int) -> list[list[float]]:
+            return [[sample[0], round(sample[column] / 2**20, 1)] for sample in self.samples]
+
+        return {"every": self.every, "after": after, "growth": growth(1), "anon_growth": growth(2),
+                "rss_mib": mib(1), "anon_mib": mib(2)}
 
 
 def served_model(base_url: str) -> str:

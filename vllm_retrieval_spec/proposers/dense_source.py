@@ -70,8 +70,8 @@ class DenseSource:
         self.neighbours = options.dense_neighbours
         self.learned_neighbours = options.dense_learned_neighbours
         self.learned_positions = options.dense_learned_positions
-        self.store: DenseDatastore = open_dense_datastore_for_model(options.dense_datastore,
-                                                                    vllm_config.model_config.model)
+        self.store: DenseDatastore = open_dense_datastore_for_model(
+            options.dense_datastore, vllm_config.model_config.model, nprobe=options.dense_nprobe or None)
         self._place_index(vllm_config, owner)
         self.store.warm_up(self.neighbours)
         self.store.verify_in_background()  # a changed file stops searching it, logged
