@@ -131,6 +131,8 @@ CONFIGS: dict[str, dict] = {
     "rest_datastore_k8": _ours("RestProposer", 8, use_context=False),
     "rest_context_k8": _ours("RestProposer", 8, use_datastore=False),
     "rest_context_k32": _ours("RestProposer", 32, use_datastore=False),
+    # Without the indexes of served requests (finished and in flight): what they hold, e.g. in memory.
+    "rest_k32_no_indexes": _ours("RestProposer", 32, use_output_index=False, use_live_index=False),
     # A chain stops where a node's calibrated chance given its parent falls below min_ratio (default 0.1).
     **{f"rest_k32_min_ratio_0{r}": _ours("RestProposer", 32, min_ratio=r / 10) for r in (2, 3, 5)},
     # The budget's margin on each kept node's cost (default 0.05).

@@ -224,12 +224,18 @@ def plot(rows: list[dict[str, Any]], path: Path, x_key: str) -> None:
     plt.close(figure)
 
 
+# What a started server inherits that changes its memory or speed (recorded when set).
+RECORDED_ENVIRONMENT = ("VLLM_CPU_KVCACHE_SPACE", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS",
+                        "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
 def write_report(path: Path, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     arguments["request_rate"] = [None if math.isinf(r) else r for r in args.request_rate]
     report = {"dataset": dataset_name(args), "requests": args.num_requests, "max_tokens": args.max_tokens,
               "arguments": arguments, "machine": platform.machine(), "processor_count": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "results": rows}
+              "date": time.strftime("%Y-%m-%d %H:%M"), "results": rows,
+              "environment": {key: os.environ[key] for key in RECORDED_ENVIRONMENT if key in os.environ}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
 

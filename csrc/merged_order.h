@@ -20,6 +20,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "sharded_store.h"
+
 namespace vrs {
 
 // A suffix's shard and its position there (shard -1: an entry outside the store).
@@ -130,18 +132,10 @@ class ShardMerger {
   // How many of shard s's suffixes sort before the suffix at pivot_pos of `of` (inclusive:
   // those equal to it over depth tokens too).
   int64_t entries_before(int s, const Index& of, int64_t pivot_pos, bool inclusive) const {
-    int64_t lo = 0, count = shards_[s].size;
-    while (count > 0) {
-      const int64_t half = count / 2;
-      const int c = compare_suffixes(shards_[s], checked_entry(s, lo + half), of, pivot_pos, depth_);
-      if (inclusive ? c <= 0 : c < 0) {
-        lo += half + 1;
-        count -= half + 1;
-      } else {
-        count = half;
-      }
-    }
-    return lo;
+    return first_not_before(0, shards_[s].size, [&](int64_t i) {
+      const int c = compare_suffixes(shards_[s], checked_entry(s, i), of, pivot_pos, depth_);
+      return inclusive ? c <= 0 : c < 0;
+    });
   }
 
   const Index* shards_;

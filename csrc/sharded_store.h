@@ -26,6 +26,22 @@
 
 namespace vrs {
 
+// The first index of [lo, hi) that is not before(i), for a before() true on a prefix of the
+// range (binary search).
+template <typename Before>
+int64_t first_not_before(int64_t lo, int64_t hi, Before&& before) {
+  for (int64_t count = hi - lo; count > 0;) {
+    const int64_t half = count / 2;
+    if (before(lo + half)) {
+      lo += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  return lo;
+}
+
 // A suffix-array range [lo, hi) of one shard.
 struct ShardRange {
   int64_t lo = 0, hi = 0;
@@ -286,16 +302,7 @@ class ShardSelector {
         }
       }
     }
-    for (int64_t count = hi - lo; count > 0;) {  // binary search in [lo, hi)
-      const int64_t half = count / 2;
-      if (before(lo + half)) {
-        lo += half + 1;
-        count -= half + 1;
-      } else {
-        count = half;
-      }
-    }
-    return lo;
+    return first_not_before(lo, hi, before);
   }
 
   const Index* shards_;

@@ -96,6 +96,17 @@ def drafts(store: object, queries: list[list[int]], params: RestParams) -> dict[
             "tree_prob": found.tree_prob, "match_info": found.match_info}
 
 
+def assert_drafts_alike(single: object, store: object, documents: list[np.ndarray], seed: int) -> None:
+    """REST drafts from ``store`` exactly what it drafts from ``single`` for queries cut from
+    ``documents``."""
+    rng = np.random.default_rng(seed)
+    queries = [document[i:i + 6].tolist() for document, i in zip(documents, rng.integers(0, 50, 12))]
+    params = RestParams(n_min=1, n_max=6, max_matches=4, cont_len=8, top_k=16, chain_len=8, use_context=False)
+    expected, found = drafts(single, queries, params), drafts(store, queries, params)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+
+
 @st.composite
 def sharded_corpora(draw: st.DrawFn) -> tuple[list[list[int]], list[int], int]:
     """Documents over a small vocabulary (many repeated suffixes), and where the shards split them."""
@@ -168,12 +179,7 @@ def test_a_sharded_store_opens_and_drafts_like_one_array(tmp_path):
     assert isinstance(sharded, ShardedDatastore) and len(sharded.shards) == 3
     assert sharded.manifest.num_tokens == single.manifest.num_tokens
     sharded.check_fully()
-    rng = np.random.default_rng(4)
-    queries = [document[i:i + 6].tolist() for document, i in zip(documents, rng.integers(0, 50, 12))]
-    params = RestParams(n_min=1, n_max=6, max_matches=4, cont_len=8, top_k=16, chain_len=8, use_context=False)
-    expected, found = drafts(single, queries, params), drafts(sharded, queries, params)
-    for key, value in expected.items():
-        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    assert_drafts_alike(single, sharded, documents, seed=4)
     description = sharded.describe()
     assert "3 shards" in description and "shard-00002" in description
 
@@ -236,12 +242,7 @@ def test_a_merged_order_is_published_and_drafts_like_one_array(tmp_path):
         [*store.manifest.shards, "manifest.json", order.file])
     store.check_fully()
     assert f"merged order {order.file}" in store.describe()
-    rng = np.random.default_rng(9)
-    queries = [document[i:i + 6].tolist() for document, i in zip(documents, rng.integers(0, 50, 12))]
-    params = RestParams(n_min=1, n_max=6, max_matches=4, cont_len=8, top_k=16, chain_len=8, use_context=False)
-    expected, found = drafts(single, queries, params), drafts(store, queries, params)
-    for key, value in expected.items():
-        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    assert_drafts_alike(single, store, documents, seed=9)
 
 
 def _edit_order(path: Path, **changes: object) -> None:
