@@ -24,7 +24,8 @@
 
 namespace vrs {
 
-// A suffix's shard and its position there (shard -1: an entry outside the store).
+// A suffix's shard and its position there (-1: an entry outside the store, which continues
+// with nothing).
 struct ShardPosition {
   int shard;
   int64_t position;
@@ -32,7 +33,7 @@ struct ShardPosition {
 
 // A merged order read from disk (uint32 or uint64 entries) and the shards' first positions in
 // the concatenated tokens (bases[shards] = the total). Entries are not trusted: one outside the
-// store locates nowhere.
+// store locates at position -1.
 struct MergedOrder {
   const void* entries;
   bool wide;
@@ -42,10 +43,10 @@ struct MergedOrder {
   int depth;
 
   ShardPosition locate(int64_t rank) const {
-    if (rank < 0 || rank >= size) return {-1, 0};
+    if (rank < 0 || rank >= size) return {0, -1};
     const uint64_t entry = wide ? static_cast<const uint64_t*>(entries)[rank]
                                 : static_cast<const uint32_t*>(entries)[rank];
-    if (entry >= static_cast<uint64_t>(bases[shards])) return {-1, 0};
+    if (entry >= static_cast<uint64_t>(bases[shards])) return {0, -1};
     const int shard = static_cast<int>(std::upper_bound(bases, bases + shards + 1, static_cast<int64_t>(entry)) -
                                        bases) - 1;
     return {shard, static_cast<int64_t>(entry) - bases[shard]};

@@ -530,6 +530,12 @@ struct StoreShards {
   int count;
   SelectionCache* cache = nullptr;  // selections of earlier steps (none: select every time)
   const MergedOrder* order = nullptr;  // the shards' merged order (none: select across them)
+
+  // Whether a match and its continuations are sampled through the merged order (sorted deep
+  // enough for them), not selected across the shards.
+  bool samples_through_order(int match_len, int cont_len) const {
+    return order != nullptr && match_len + cont_len <= order->depth;
+  }
 };
 
 // The longest match in any shard (the same n as one array over all of them) and every shard's
@@ -561,7 +567,7 @@ int longest_sharded_match(const StoreShards<Tok, Idx>& store, const int32_t* ctx
     int64_t first, bucket_end;
     if (shard.occurs(ctx + n - best, best, &first, &bucket_end))
       ranges[s] = {first, shard.upper_bound(ctx + n - best, best, first, bucket_end)};
-    else if (store.order != nullptr)  // where it would sit: the merged order's run starts at the sum
+    else if (store.samples_through_order(best, prm.cont_len))  // where it would sit: the run starts at the sum
       ranges[s].lo = ranges[s].hi = shard.rank_of(ctx + n - best, best);
   }
   return best;
@@ -585,11 +591,10 @@ void insert_sharded_continuations(const StoreShards<Tok, Idx>& store, const std:
     first += range.lo;
   }
   const int take = static_cast<int>(std::min<int64_t>(found, max_matches));
-  if (store.order != nullptr && match_len + cont_len <= store.order->depth) {
+  if (store.samples_through_order(match_len, cont_len)) {
     for (int j = 0; j < take; ++j) {
       const ShardPosition at = store.order->locate(first + (j * found) / take);
-      insert_continuation_at(store.shards[std::max(at.shard, 0)], at.shard < 0 ? -1 : at.position, match_len,
-                             cont_len, source, trie);
+      insert_continuation_at(store.shards[at.shard], at.position, match_len, cont_len, source, trie);
     }
     return;
   }

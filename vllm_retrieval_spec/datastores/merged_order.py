@@ -26,7 +26,9 @@ from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.kernels.rest import native_suffix_store
 from vllm_retrieval_spec.storage import ArtifactKind, file_records, map_array
 
-MERGED_ORDER_DEPTH = 64  # REST's longest match (n_max <= 64 by default 16) plus its continuation
+# Tokens the order is sorted to: REST's longest match (n_max, default 16) and its continuation
+# (num_speculative_tokens, 32 recommended) fit; a deeper one is selected across the shards.
+MERGED_ORDER_DEPTH = 64
 ORDER_FILE = re.compile(r"order-\d{5}\.bin")
 PARTS_PER_WORKER = 16  # merged independently, a few at a time (a progress bar's steps)
 MIN_PART_TOKENS = 1 << 16

@@ -171,13 +171,13 @@ def _clear_abandoned(store_dir: Path, store: ShardedDatastore) -> None:
     """Delete what a killed edit left: work directories, shards and order files no manifest
     lists, when they hold only what an edit writes (anything else stays, with a warning)."""
     listed = set(store.manifest.shards)
+    listed_order = store.manifest.merged_order.file if store.manifest.merged_order else None
     for entry in store_dir.iterdir():
         if entry.name.startswith(WORK_PREFIX) and entry.is_dir() and not entry.is_symlink():
             ours = all(is_shard_directory(child) for child in entry.iterdir())
         elif SHARD_NAME.fullmatch(entry.name) and entry.name not in listed:
             ours = is_shard_directory(entry)
-        elif is_order_file(entry) and (store.manifest.merged_order is None
-                                       or entry.name != store.manifest.merged_order.file):
+        elif entry.name != listed_order and is_order_file(entry):
             entry.unlink()
             continue
         else:
