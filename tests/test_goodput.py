@@ -414,6 +414,7 @@ def test_the_chance_table_follows_observations_and_is_reused_between_refreshes()
     bucket = calibration.buckets(nodes, node_depths(nodes.parents))
     table = calibration.chance_table()
     assert calibration.chance_table() is table  # nothing new: the same arrays
+    assert table.chance.flags.c_contiguous  # the kernel reads it as it is: no copy every step
     calibration.observe(bucket, np.full(bucket.shape, 0.5), np.ones(bucket.shape, bool))
     for _ in range(4):
         calibration.tick()

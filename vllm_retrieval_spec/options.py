@@ -171,7 +171,9 @@ class RetrievalSpecOptions:
         "token, allocated at start)",
     )
     live_max_matches: int = _option(
-        16, _int_in(1, 4096), "REST: continuations per request from requests still in flight (newest first)"
+        2, _int_in(1, 4096),
+        "REST: continuations per request from requests still in flight (newest first; more of them mostly add "
+        "weak nodes)",
     )
     live_weight: float = _option(
         4.0, _float_in(0.0, 1e6), "REST: weight of each continuation from requests still in flight"
