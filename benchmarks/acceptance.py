@@ -133,6 +133,15 @@ CONFIGS: dict[str, dict] = {
     "rest_context_k32": _ours("RestProposer", 32, use_datastore=False),
     # Without the indexes of served requests (finished and in flight): what they hold, e.g. in memory.
     "rest_k32_no_indexes": _ours("RestProposer", 32, use_output_index=False, use_live_index=False),
+    # Each source of REST off in turn, and how many continuations of each it merges (defaults: datastore 128,
+    # context 64, output index 64, requests in flight 2).
+    "rest_k32_no_live": _ours("RestProposer", 32, use_live_index=False),
+    "rest_k32_no_output": _ours("RestProposer", 32, use_output_index=False),
+    **{f"rest_k32_live_m{m}": _ours("RestProposer", 32, live_max_matches=m) for m in (1, 4, 8, 16)},
+    "rest_k32_live_m16_w025": _ours("RestProposer", 32, live_max_matches=16, live_weight=0.25),
+    **{f"rest_k32_out_m{m}": _ours("RestProposer", 32, output_max_matches=m) for m in (8, 16)},
+    **{f"rest_k32_ds_m{m}": _ours("RestProposer", 32, max_matches=m) for m in (16, 32)},
+    "rest_k32_ctx_m8": _ours("RestProposer", 32, context_max_matches=8),
     # A chain stops where a node's calibrated chance given its parent falls below min_ratio (default 0.1).
     **{f"rest_k32_min_ratio_0{r}": _ours("RestProposer", 32, min_ratio=r / 10) for r in (2, 3, 5)},
     # The budget's margin on each kept node's cost (default 0.05).
@@ -147,7 +156,7 @@ CONFIGS: dict[str, dict] = {
     # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
     **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
     # Deep drafts (continuations as long as K by default) always drafted up to K.
-    **{f"rest_k{k}_fixed": _ours("RestProposer", k, budget="fixed") for k in (16, 32, 64)},
+    **{f"rest_k{k}_fixed": _ours("RestProposer", k, budget="fixed") for k in (2, 3, 4, 16, 32, 64)},
     **{f"rest_tree_k{k}_fixed": _ours("RestProposer", k, tree=True, budget="fixed") for k in (32, 64)},
     # DReSD: dense neighbours merged with the context (default) or alone (use_context false).
     "dresd_k8": _ours("DReSDProposer", 8),

@@ -118,6 +118,17 @@ def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
     assert float(model.predict(8, 8)) == pytest.approx(0.08, rel=0.05)
 
 
+def test_a_prior_base_far_from_the_engine_does_not_pull_down_what_a_draft_token_costs():
+    """Steps of 8 requests fix ``a + 8b`` but not the split; the CPU prior's 40 ms base against the
+    engine's 27 ms must not leave the per-token cost far below the truth."""
+    model = StepCostModel()
+    rng = np.random.default_rng(7)
+    for _ in range(120):
+        drafts = int(rng.integers(0, 41))
+        model.observe(0.024 + 0.0004 * 8 + 0.0009 * drafts + rng.normal(0, 0.002), 8, 8 + drafts)
+    assert model.per_token == pytest.approx(0.0009, rel=0.15)
+
+
 def nodes_of(prob: np.ndarray, parents: np.ndarray, source: int, match_len: int) -> DraftNodes:
     rows, width = prob.shape
     return DraftNodes(np.zeros((rows, width), np.int32), parents, np.full(rows, width, np.int32),
