@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, DraftNodes
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_LEARNED, DraftNodes
 from vllm_retrieval_spec.goodput import (
     AcceptanceCalibration,
     GoodputBudget,
@@ -17,6 +17,7 @@ from vllm_retrieval_spec.goodput import (
 from vllm_retrieval_spec.goodput.budget import RequestFactors
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
+from vllm_retrieval_spec.goodput.search_gate import CREDIT_SEARCHES, EXPLORE_EVERY, SearchGate
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
@@ -129,6 +130,27 @@ def test_a_prior_base_far_from_the_engine_does_not_pull_down_what_a_draft_token_
     assert model.per_token == pytest.approx(0.0009, rel=0.15)
 
 
+def test_accepted_nodes_are_counted_by_the_sources_that_drafted_them():
+    budget = GoodputBudget()
+    budget.accepted_by_code[[SOURCE_DENSE, SOURCE_DENSE | SOURCE_LEARNED, SOURCE_DENSE | SOURCE_DATASTORE]] = 3, 2, 5
+    assert budget.accepted_only_from(SOURCE_DENSE) == 3
+    assert budget.accepted_only_from(SOURCE_DENSE | SOURCE_LEARNED) == 5  # nodes some other source drafted too: not
+
+
+def test_a_search_that_adds_nothing_is_skipped_but_tried_again_and_one_that_pays_is_kept():
+    budget = GoodputBudget(cost=cost_model(0.02, 0.0, 0.001))  # a token is worth 20 ms at 1 request
+    gate = SearchGate(SOURCE_DENSE)
+    searched = []
+    for _ in range(CREDIT_SEARCHES + 8 * EXPLORE_EVERY):
+        searched.append(gate.open(budget, 1))
+        if searched[-1]:
+            gate.searched(0.002)
+    assert all(searched[:CREDIT_SEARCHES + 1]) and gate.closed  # the credit spent, nothing accepted
+    assert sum(searched[CREDIT_SEARCHES + 1:]) == 8  # one step in EXPLORE_EVERY after that
+    budget.accepted_by_code[SOURCE_DENSE] = 1  # one token (20 ms) pays for the 9 searches beyond the credit (18 ms)
+    assert gate.open(budget, 1) and not gate.closed
+
+
 def nodes_of(prob: np.ndarray, parents: np.ndarray, source: int, match_len: int) -> DraftNodes:
     rows, width = prob.shape
     return DraftNodes(np.zeros((rows, width), np.int32), parents, np.full(rows, width, np.int32),
@@ -177,6 +199,7 @@ def test_acceptance_is_read_back_from_the_sampled_tokens():
     # Rows come back reordered; "a" accepted 5 6 then the target said 1; "b" took 9 3 then 2.
     budget.observe(["b", "a"], [[9, 3, 2], [5, 6, 1]])
     assert budget.stats.accepted_nodes == 4
+    assert budget.accepted_only_from(SOURCE_CONTEXT) == 4 and budget.accepted_only_from(SOURCE_DATASTORE) == 0
     # a: 5, 6 accepted, 7 rejected (8 unobserved); b: 5 rejected, 9 and 3 accepted, 4 unobserved.
     assert budget.stats.observed_nodes == 3 + 3
 
