@@ -132,7 +132,7 @@ def test_a_prior_base_far_from_the_engine_does_not_pull_down_what_a_draft_token_
 
 def test_accepted_nodes_are_counted_by_the_sources_that_drafted_them():
     budget = GoodputBudget()
-    budget.accepted_by_code[[SOURCE_DENSE, SOURCE_DENSE | SOURCE_LEARNED, SOURCE_DENSE | SOURCE_DATASTORE]] = 3, 2, 5
+    budget.stats.accepted_by_source.update({"dense": 3, "dense+learned_dense": 2, "datastore+dense": 5})
     assert budget.accepted_only_from(SOURCE_DENSE) == 3
     assert budget.accepted_only_from(SOURCE_DENSE | SOURCE_LEARNED) == 5  # nodes some other source drafted too: not
 
@@ -147,7 +147,7 @@ def test_a_search_that_adds_nothing_is_skipped_but_tried_again_and_one_that_pays
             gate.searched(0.002)
     assert all(searched[:CREDIT_SEARCHES + 1]) and gate.closed  # the credit spent, nothing accepted
     assert sum(searched[CREDIT_SEARCHES + 1:]) == 8  # one step in EXPLORE_EVERY after that
-    budget.accepted_by_code[SOURCE_DENSE] = 1  # one token (20 ms) pays for the 9 searches beyond the credit (18 ms)
+    budget.stats.accepted_by_source["dense"] = 1  # one token (20 ms) pays for the 9 searches beyond the credit (18 ms)
     assert gate.open(budget, 1) and not gate.closed
 
 

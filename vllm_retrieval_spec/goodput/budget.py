@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes, count_sources
+from vllm_retrieval_spec.drafts import SOURCE_LABELS, DraftNodes, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration
 from vllm_retrieval_spec.goodput.chooser import NodeCandidates, choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
@@ -161,7 +161,6 @@ class GoodputBudget:
     stats: BudgetStats = field(default_factory=BudgetStats)
     search_seconds_per_row: float = 0.0  # drafting time per searched row (moving average)
     clock: SharedClock | None = field(default=None, repr=False)  # None: this process's drafting times
-    accepted_by_code: np.ndarray = field(default_factory=lambda: np.zeros(NUM_SOURCE_CODES, np.int64), repr=False)
     _pending: PendingNodes | None = None
 
     @classmethod
@@ -197,14 +196,16 @@ class GoodputBudget:
         source = pending.source[present]
         count_sources(self.stats.observed_by_source, source[observed])
         count_sources(self.stats.accepted_by_source, source[accepted])
-        self.accepted_by_code += np.bincount(np.asarray(source[accepted], np.int64) % NUM_SOURCE_CODES,
-                                             minlength=NUM_SOURCE_CODES)
 
     def accepted_only_from(self, flags: int) -> int:
         """Accepted nodes that no source outside ``flags`` drafted: what those sources added
-        that the others would not have."""
-        codes = np.arange(NUM_SOURCE_CODES)
-        return int(self.accepted_by_code[(codes & ~flags) == 0].sum())
+        that the others would not have (``stats.accepted_by_source`` over every non-empty subset of
+        ``flags``, enumerated as ``code = (code - 1) & flags``)."""
+        counts, total, code = self.stats.accepted_by_source, 0, flags
+        while code:
+            total += counts.get(SOURCE_LABELS[code], 0)
+            code = (code - 1) & flags
+        return total
 
     def seconds_per_token(self, num_reqs: int) -> float:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""

@@ -16,8 +16,8 @@ do not yet vary in their token counts. Only a few: where every step has the same
 the data fix ``a + b·B`` but not the split, and a prior base far from the engine's (the CPU prior's
 40 ms against 24 ms measured at 8 in flight) pulled ``c`` a quarter below what the logged steps of
 that run fit by least squares (0.68 against 0.89 ms with the ridge worth 16 steps, 0.81 with 4),
-and the chooser drafted nodes that cost more than they gave. Steps far slower than predicted (an idle engine waiting for
-requests) are not learned from. On tensor-parallel engines the step times are the first rank's
+and the chooser drafted nodes that cost more than they gave. Steps far slower than predicted (an
+idle engine waiting for requests) are not learned from. On tensor-parallel engines the step times are the first rank's
 (``clock``, ``ranks.py``).
 """
 
