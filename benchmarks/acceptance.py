@@ -16,6 +16,13 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
         --configs none suffix rest_k8 rest_k8_fixed rest_tree_k16 prompt_lookup_k8 ngrammys_k8 ngrammys_tree_k16
         (one command line)
     python benchmarks/acceptance.py --dataset benchmarks/data/code_edit.jsonl --prompts 40 --max-tokens 256
+    python benchmarks/acceptance.py --interleave --concurrency 8 --prompts 64 --configs none suffix rest_k32
+
+``--interleave`` builds every config's engine at once (~1 GB each) and runs each group of
+``--concurrency`` prompts on every engine in turn, the order rotating from group to group: the
+machine's drift, up to 25% within a run on a small VM, then falls on every config alike, and
+ratios of 1–5% become measurable (within a group the requests in flight fall from
+``--concurrency`` as they finish, the same for every config).
 
 ``--dataset`` takes the prompts from a JSONL file of chat ``messages`` records (rendered with the
 model's chat template) or raw ``prompt`` records instead, e.g. the workloads of ``workloads.py``;
@@ -54,6 +61,7 @@ configure_vllm_environment(in_process=True)
 
 from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     EngineSpec,
+    GenerationRun,
     build_llm,
     drafter_of,
     generate,
@@ -146,7 +154,7 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_min_ratio_0{r}": _ours("RestProposer", 32, min_ratio=r / 10) for r in (2, 3, 5)},
     # The budget's margin on each kept node's cost (default 0.05).
     "rest_k32_margin0": _ours("RestProposer", 32, budget_margin=0.0),
-    **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50)},
+    **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50, 100)},
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     "ngrammys_k8": _ours("NGrammysProposer", 8),
@@ -237,21 +245,78 @@ def base_config(name: str) -> str:
     return name.split("@", 1)[0]
 
 
-def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
+def configured(model: Path, name: str, args: argparse.Namespace) -> tuple[dict, EngineSpec]:
+    """A config with the run's ``--option``s, and the engine that runs it."""
     seeded_reference = NEVER_DRAFT if name == SEEDED_REFERENCE else {}
     config = with_options(CONFIGS[base_config(name)], {**dict(args.option), **seeded_reference})
-    spec = EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
-                      max_num_seqs=max(args.concurrency, 1))
-    sampling = {"temperature": args.temperature, "top_p": args.top_p}
-    seeds = None if args.seed is None else [args.seed + i for i in range(len(prompts))]
+    return config, EngineSpec(model, config.get("speculative_config"), config.get("additional_config"),
+                              max_num_seqs=max(args.concurrency, 1))
+
+
+def request_seeds(prompts: list[str], args: argparse.Namespace) -> list[int] | None:
+    return None if args.seed is None else [args.seed + i for i in range(len(prompts))]
+
+
+def sampling_of(args: argparse.Namespace) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p}
+
+
+def warm_up(llm, prompts: list[str], args: argparse.Namespace) -> None:
+    seeds = request_seeds(prompts, args)
+    generate(llm, prompts[:1], 8, seeds=seeds and seeds[:1], **sampling_of(args))
+
+
+def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
+    config, spec = configured(model, name, args)
     llm = build_llm(spec)
     try:
-        generate(llm, prompts[:1], 8, seeds=seeds and seeds[:1], **sampling)  # warm-up
-        runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency, seeds=seeds, **sampling)
-                for _ in range(args.repeats)]
+        warm_up(llm, prompts, args)
+        runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency,
+                         seeds=request_seeds(prompts, args), **sampling_of(args)) for _ in range(args.repeats)]
         budget = budget_report(llm, args.concurrency)
     finally:
         shutdown_llm(llm)
+    return config_result(name, config, runs, budget)
+
+
+def run_interleaved(model: Path, names: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
+    """Every config's engine at once, the prompts in groups of ``--concurrency`` run by every
+    engine in turn (the order rotating from group to group), so that the machine's drift falls
+    on every config alike; each config's groups count as one run."""
+    configs = {name: configured(model, name, args) for name in names}
+    engines = {}
+    try:
+        for name in names:
+            engines[name] = build_llm(configs[name][1])
+            warm_up(engines[name], prompts, args)
+        seeds = request_seeds(prompts, args)
+        groups: dict[str, list[list[GenerationRun]]] = {name: [] for name in names}
+        size = max(args.concurrency, 1)
+        for _ in range(args.repeats):
+            for name in names:
+                groups[name].append([])
+            for index, start in enumerate(range(0, len(prompts), size)):
+                turn = index % len(names)
+                for name in names[turn:] + names[:turn]:
+                    groups[name][-1].append(generate(
+                        engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
+                        seeds=seeds and seeds[start:start + size], **sampling_of(args)))
+        budgets = {name: budget_report(llm, args.concurrency) for name, llm in engines.items()}
+    finally:
+        for llm in engines.values():
+            shutdown_llm(llm)
+    return [config_result(name, configs[name][0], [joined(runs) for runs in groups[name]], budgets[name])
+            for name in names]
+
+
+def joined(runs: list[GenerationRun]) -> GenerationRun:
+    """Consecutive runs over consecutive prompts as one run."""
+    return GenerationRun([record for run in runs for record in run.records],
+                         sum((run.counters for run in runs), SpecDecodeCounters()), sum(run.seconds for run in runs))
+
+
+def config_result(name: str, config: dict, runs: list[GenerationRun], budget: dict | None) -> dict:
+    """What a report holds of one config's runs (``output_ids``: the first run's, to compare)."""
     records = [record for run in runs for record in run.records]
     counters = sum((run.counters for run in runs), SpecDecodeCounters())
     summary = summarize(records, counters)
@@ -351,12 +416,17 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
     results, outputs = [], []
     report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-              "repeats": args.repeats, "model": "SmolLM2-135M-Instruct (float32)",
+              "repeats": args.repeats, "interleaved": args.interleave, "model": "SmolLM2-135M-Instruct (float32)",
               "machine": platform.machine(), "processor_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
-    for name in names:
-        print(f"[{form}] {name} ...", flush=True)
-        result = run_config(model, name, prompts, args)
+    if args.interleave:
+        print(f"[{form}] {', '.join(names)}, interleaved ...", flush=True)
+        measured = run_interleaved(model, names, prompts, args)
+    else:
+        measured = (run_config(model, name, prompts, args) for name in names)
+    for name, result in zip(names, measured):
+        if not args.interleave:
+            print(f"[{form}] {name} done", flush=True)
         outputs.append(result.pop("output_ids"))
         results.append(result)
         compare(results, outputs, repeatable=args.temperature == 0 or args.seed is not None)
@@ -458,6 +528,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, metavar="BASE", help="request i samples with seed BASE + i (with "
                         "--temperature): outputs must then equal no speculation's, as greedy ones")
     parser.add_argument("--repeats", type=int, default=1, help="runs of the prompt set per config (intervals)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="every config's engine at once, each group of --concurrency prompts run by every engine "
+                             "in turn: drift falls on all alike (no NAME@2 repeats or last no-speculation run needed)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")
@@ -466,7 +539,9 @@ def main() -> None:
         parser.error("--seed needs --temperature above 0 (greedy requests ignore seeds)")
 
     model = ensure_smollm2_checkpoint()
-    names = resolve_configs(args.configs, args.repeat_baseline, seeded=args.seed is not None)
+    names = resolve_configs(args.configs, args.repeat_baseline and not args.interleave, seeded=args.seed is not None)
+    if args.interleave:
+        names = list(dict.fromkeys(base_config(name) for name in names))  # one engine per config
     RESULTS.mkdir(parents=True, exist_ok=True)
     forms = ["raw", "chat"] if args.form == "both" else [args.form]
     for form in [args.dataset.stem] if args.dataset else forms:

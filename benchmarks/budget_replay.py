@@ -188,7 +188,7 @@ class RestDrafter:
             self.live.update(req_ids, tokens, lengths)
         start = time.perf_counter()  # the search time the budget weighs, as the proposer's
         self.budget.observe(req_ids, sampled)
-        rows = np.flatnonzero(self.budget.worth_searching(req_ids, len(req_ids))).astype(np.int32)
+        rows = np.flatnonzero(self.budget.worth_searching(len(req_ids), len(req_ids))).astype(np.int32)
         drafts = [[] for _ in req_ids]
         if not len(rows):
             return drafts

@@ -41,10 +41,10 @@ class EngineSpec:
 
 
 def build_llm(spec: EngineSpec) -> LLM:
-    """An in-process ``vllm.LLM`` with stats enabled (for the spec-decode counters)."""
+    """An in-process ``vllm.LLM`` with stats enabled, counting its own spec-decode stats."""
     from vllm import LLM
 
-    return LLM(
+    llm = LLM(
         model=str(spec.model),
         dtype=spec.dtype,
         enforce_eager=True,
@@ -58,11 +58,33 @@ def build_llm(spec: EngineSpec) -> LLM:
                                          ("max_num_batched_tokens", spec.max_num_batched_tokens))
            if value is not None},
     )
+    _count_spec_decoding(llm)
+    return llm
+
+
+def _count_spec_decoding(llm: LLM) -> None:
+    """Add up this engine's spec-decode stats as its steps record them (read by
+    :func:`spec_decode_counters`): vLLM's Prometheus registry keeps only the counters of the
+    last engine built in a process, and ``acceptance.py --interleave`` runs several at once."""
+    manager = llm.llm_engine.logger_manager
+    original = manager.record
+    totals = [0, 0, 0]
+
+    def record(*args, scheduler_stats=None, **kwargs):
+        stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if stats is not None:
+            totals[0] += stats.num_drafts
+            totals[1] += stats.num_draft_tokens
+            totals[2] += stats.num_accepted_tokens
+        return original(*args, scheduler_stats=scheduler_stats, **kwargs)
+
+    manager.record = record
+    llm.vrs_spec_decode_totals = totals
 
 
 def shutdown_llm(llm: LLM) -> None:
-    """Shut an in-process engine's core down and collect it before the next is built, so that
-    two engines' KV caches and workers never coexist in one process."""
+    """Shut an in-process engine's core down and collect it, so that the next one built does
+    not hold its KV cache and workers beside this one's (unless both are wanted at once)."""
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -76,13 +98,8 @@ def drafter_of(llm: LLM) -> DraftProposer | None:
 
 
 def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
-    """Process-wide totals of vLLM's spec-decode counters (take differences per run)."""
-    values = {metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()}
-    return SpecDecodeCounters(
-        drafts=int(values.get("vllm:spec_decode_num_drafts") or 0),
-        draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens") or 0),
-        accepted_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens") or 0),
-    )
+    """This engine's spec-decode totals since it was built (take differences per run)."""
+    return SpecDecodeCounters(*llm.vrs_spec_decode_totals)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@ Each step, in the proposers' base (through the session):
 
 1. :meth:`GoodputBudget.observe` reads, from the tokens each request just sampled, which of
    the nodes drafted for it last step were accepted (a node is accepted when its parent is
-   and its token is the one sampled at its depth), and feeds calibration and the request's
-   own factor;
+   and its token is the one sampled at its depth), and feeds calibration;
 2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
    for its verification (their search is skipped);
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,9 +35,6 @@ from vllm_retrieval_spec.kernels.rest import ChanceTable
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_STEPS = 2048
-REQUEST_PRIOR = 2.0  # pseudo-nodes behind each request's factor
-REQUEST_DECAY = 0.9  # per step: a request's factor forgets, and drifts back to 1 when unobserved
-FACTOR_RANGE = (0.25, 4.0)
 SEARCH_TIME_SMOOTHING = 0.1
 BRANCH_PRIOR = 4.0  # pseudo-chance behind the branch factor, at the calibration's own estimate
 BRANCH_DECAY = 0.998  # per tree step: a factor no longer observed drifts back to 1
@@ -60,51 +56,6 @@ class BudgetStats:
     observed_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafting_seconds: float = 0.0  # searching and drafting, summed over the steps that chose
-
-
-class RequestFactors:
-    """Per running request, decayed sums of predicted and accepted nodes, in arrays indexed by
-    a slot that is freed when the request finishes."""
-
-    def __init__(self, capacity: int = 64) -> None:
-        self.slots: dict[str, int] = {}
-        self.free: list[int] = []
-        self.predicted = np.zeros(capacity)
-        self.accepted = np.zeros(capacity)
-
-    def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
-        """Each request's slot (new requests get one)."""
-        found = np.fromiter(map(self.slots.get, req_ids, itertools.repeat(-1)), np.int64, len(req_ids))
-        for index in np.flatnonzero(found < 0):
-            found[index] = self._allocate(req_ids[index])
-        return found
-
-    def factor(self, slots: np.ndarray) -> np.ndarray:
-        ratio = (self.accepted[slots] + REQUEST_PRIOR) / (self.predicted[slots] + REQUEST_PRIOR)
-        return np.clip(ratio, *FACTOR_RANGE)
-
-    def record(self, slots: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
-        self.predicted *= REQUEST_DECAY
-        self.accepted *= REQUEST_DECAY
-        np.add.at(self.predicted, slots, predicted)
-        np.add.at(self.accepted, slots, accepted)
-
-    def release(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
-            slot = self.slots.pop(req_id, None)
-            if slot is not None:
-                self.predicted[slot] = self.accepted[slot] = 0.0
-                self.free.append(slot)
-
-    def _allocate(self, req_id: str) -> int:
-        if not self.free:
-            old = len(self.predicted)
-            self.predicted = np.concatenate([self.predicted, np.zeros(old)])
-            self.accepted = np.concatenate([self.accepted, np.zeros(old)])
-            self.free.extend(range(2 * old - 1, old - 1, -1))
-        slot = self.free.pop()
-        self.slots[req_id] = slot
-        return slot
 
 
 @dataclass
@@ -151,12 +102,14 @@ class PendingNodes:
 
 @dataclass
 class GoodputBudget:
-    """Calibration, cost model, per-request factors and the chooser of one runner."""
+    """Calibration, cost model and the chooser of one runner. Nodes are weighed by their
+    calibrated chances alone: a per-request factor (each request's recent accepted-over-predicted
+    ratio, up to 4x) cost 1-8% tokens/s in every interleaved A/B (results README, 2026-11-26
+    evening): selecting on a noisy factor kept nodes whose chances it had inflated."""
 
     margin: float = 0.05
     cost: StepCostModel = field(default_factory=StepCostModel)
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
-    factors: RequestFactors = field(default_factory=RequestFactors)
     branches: BranchFactor = field(default_factory=BranchFactor)
     stats: BudgetStats = field(default_factory=BudgetStats)
     search_seconds_per_row: float = 0.0  # drafting time per searched row (moving average)
@@ -189,8 +142,6 @@ class GoodputBudget:
         self.calibration.observe(bucket[counted], chance[counted], accepted[counted])
         if roots.any():
             self.branches.record(float(chance[roots].sum()) / pending.branch_factor, float(accepted[roots].sum()))
-        slots = self.factors.slots_of([pending.req_ids[i] for i in np.flatnonzero(present)])
-        self.factors.record(slots, np.where(observed, chance, 0.0).sum(axis=1), accepted.sum(axis=1))
         self.stats.observed_nodes += int(observed.sum())
         self.stats.accepted_nodes += int(accepted.sum())
         source = pending.source[present]
@@ -211,20 +162,18 @@ class GoodputBudget:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""
         return float(self.cost.predict(num_reqs, num_reqs)) / max(num_reqs, 1)
 
-    def worth_searching(self, req_ids: Sequence[str], num_reqs: int,
-                        samples: np.ndarray | None = None) -> np.ndarray:
-        """Rows whose best possible first node could pay: its optimistic chance (the best
-        root-child bucket times the request's factor) is at least what verifying it (more for
-        a request that ``samples``) and searching for it cost, in tokens, at the rate of a step
-        of ``num_reqs`` requests without drafts (fresh every step, and the search time decays
-        on steps where every search is skipped, so that no decision freezes)."""
-        if not len(req_ids):
+    def worth_searching(self, num_rows: int, num_reqs: int, samples: np.ndarray | None = None) -> np.ndarray:
+        """Which of ``num_rows`` rows' best possible first node could pay: its optimistic chance (the best
+        root-child bucket) is at least what verifying it (more for a request that ``samples``)
+        and searching for it cost, in tokens, at the rate of a step of ``num_reqs`` requests
+        without drafts (fresh every step, and the search time decays on steps where every search
+        is skipped, so that no decision freezes)."""
+        if not num_rows:
             return np.ones(0, bool)
         rate = num_reqs / max(float(self.cost.predict(num_reqs, num_reqs)), 1e-9)
         verify = self.cost.per_token + (0.0 if samples is None else self.cost.per_sampled_token * samples)
         threshold = rate * (verify + self.search_seconds_per_row)
-        factor = self.factors.factor(self.factors.slots_of(req_ids))
-        worth = np.minimum(self.calibration.best_first_chance() * factor, MAX_CHANCE) >= threshold
+        worth = np.broadcast_to(self.calibration.best_first_chance() >= threshold, (num_rows,)).copy()
         self.stats.skipped_rows += int((~worth).sum())
         if not worth.any():
             # Nothing searched, nothing timed: let the search-time estimate drift down so that
@@ -246,13 +195,12 @@ class GoodputBudget:
         valid = np.arange(width)[None, :] < nodes.size[:, None]
         depth = node_depths(nodes.parents)
         bucket = self.calibration.buckets(nodes, depth)
-        factor = self.factors.factor(self.factors.slots_of(req_ids))
         first_child = first_children(nodes.parents, nodes.size) if trees else valid
         branch = valid & ~first_child
         branch_factor = self.branches.factor
         if trees:
             self.branches.tick()
-        chance = self.calibration.estimate(bucket, nodes.prob) * factor[:, None]
+        chance = self.calibration.estimate(bucket, nodes.prob)
         chance = np.where(valid, np.minimum(np.where(branch, chance * branch_factor, chance), MAX_CHANCE), 0.0)
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
@@ -290,8 +238,6 @@ class GoodputBudget:
         """The calibration's chance of every bucket, for a drafter to rank its candidates by."""
         return self.calibration.chance_table()
 
-    def release(self, req_ids: Iterable[str]) -> None:
-        self.factors.release(req_ids)
 
 
 def _padded(lists: Sequence[Sequence[int]], width: int) -> np.ndarray:

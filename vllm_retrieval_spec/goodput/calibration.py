@@ -49,6 +49,11 @@ def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, str
     return np.clip((accepted + strength * prior) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
 
 
+def _bounded(chances: np.ndarray) -> np.ndarray:
+    """``chances`` clipped in place to ``[MIN_CHANCE, MAX_CHANCE]`` (``np.clip`` is 7x slower)."""
+    return np.minimum(np.maximum(chances, MIN_CHANCE, out=chances), MAX_CHANCE, out=chances)
+
+
 def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, strength: float) -> np.ndarray:
     """``c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength)`` along the depth
     axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first`` (``[.., length,
@@ -126,10 +131,12 @@ class AcceptanceCalibration:
         midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
         accepted, observed = self._first
         first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
-        chances = np.broadcast_to(first[None, :, None, :], SHAPE).copy()  # C order: read flat every step
-        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))  # unseen sources keep the prior at every depth
-        chances[seen] = _depth_chained(self.accepted[seen], self.observed[seen], first[None], self.prior_strength)
-        return np.minimum(np.maximum(chances, MIN_CHANCE, out=chances), MAX_CHANCE, out=chances)  # np.clip: 7x slower
+        chances = np.empty(SHAPE)  # C order: read flat every step
+        chances[...] = _bounded(first.copy())[None, :, None, :]  # unseen sources keep the prior at every depth
+        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))
+        chances[seen] = _bounded(_depth_chained(self.accepted[seen], self.observed[seen], first[None],
+                                                self.prior_strength))
+        return chances
 
     def _first_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Decaying accepted and observed counts of depth-0 nodes per match-length bucket."""

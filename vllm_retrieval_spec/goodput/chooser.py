@@ -95,11 +95,7 @@ def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, idle: float, d
     times)."""
     path_chance, num_reqs = candidates.path_chance, candidates.num_reqs
     rows, width = path_chance.shape
-    order = np.argsort(-path_chance, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(width)[None, :], axis=1)
-    eligible = (path_chance > 0) & (rank < np.asarray(candidates.budgets)[:, None])
-    flat = np.flatnonzero(eligible)
+    flat = np.flatnonzero(_within_budgets(path_chance, np.asarray(candidates.budgets)))
     chances = path_chance.reshape(-1)[flat]
     sampled = candidates.sampled()[flat // width]
     work = candidates.tree_work().reshape(-1)[flat]
@@ -115,3 +111,16 @@ def _best_prefix(candidates: NodeCandidates, cost: StepCostModel, idle: float, d
     keep[flat[by_chance[:best]]] = True
     return Choice(keep.reshape(rows, width), float(num_reqs + gained[best]), idle + float(added[best]), 0.0,
                   margin_seconds=margin * float(added[best]))
+
+
+def _within_budgets(path_chance: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """``[rows, N]``: the nodes with a chance among the ``budgets[i]`` best of row ``i`` (every
+    node with a chance when the budgets cover the rows' widths, as they mostly do)."""
+    has_chance = path_chance > 0
+    width = path_chance.shape[1]
+    if (budgets >= width).all():
+        return has_chance
+    order = np.argsort(-path_chance, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(width)[None, :], axis=1)
+    return has_chance & (rank < budgets[:, None])

@@ -279,8 +279,9 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     attach_metrics(runner, drafter, session)
     runner.vrs_session = session
 
-    def release_finished(original: Callable) -> Callable:
+    def start_runner_step(original: Callable) -> Callable:
         def _update_states(scheduler_output, *args, **kwargs):
+            session.runner_step_began()
             finished = scheduler_output.finished_req_ids
             if finished:
                 session.release(finished, _finished_tokens(runner, finished) if session.learns_from_finished_tokens()
@@ -311,7 +312,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
         return propose_draft_token_ids
 
-    _hook(runner, "_update_states", release_finished)
+    _hook(runner, "_update_states", start_runner_step)
     _hook(runner, "propose_draft_token_ids", begin_step)
     if not generators_have_offsets(runner.device):
         _rewind_discarded_samples_by_state(runner)

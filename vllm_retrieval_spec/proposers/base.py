@@ -227,8 +227,8 @@ class DraftProposer(abc.ABC):
         if budget is not None:
             req_ids = self.session.step_req_ids
             budget.observe(req_ids, sampled_token_ids)
-            batch = batch.subset(budget.worth_searching([req_ids[row] for row in batch.rows.tolist()],
-                                                        len(sampled_token_ids), self._row_samples(batch.rows)))
+            batch = batch.subset(budget.worth_searching(len(batch), len(sampled_token_ids),
+                                                        self._row_samples(batch.rows)))
         self.stats.steps += 1
         self.stats.rows += len(batch)
         if len(batch) == 0:

@@ -6,7 +6,7 @@ drafter, and owns everything that lives between drafting and verification:
 - the request ids of the rows being drafted for, and which of them sample (temperature > 0),
   from the runner before each ``propose``;
 - per-request state (:class:`RequestState`: the last drafted tree and, for sampled candidates,
-  the distributions they were drawn from; the goodput budget's per-request factors), released
+  the distributions they were drawn from), released
   when the scheduler reports the request finished or aborted;
 - the cross-request :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex` (REST
   with ``use_output_index``), fed with the tokens of every finished request;
@@ -115,6 +115,7 @@ class SpecSession:
     plan: TreeStepPlan | None = None
     layout_checked: bool = False
     _step_started: float | None = field(default=None, init=False, repr=False)
+    _runner_started: float | None = field(default=None, init=False, repr=False)  # runner_step_began()
     _draft_seconds: float = field(default=0.0, init=False, repr=False)
     _tree_work: float = field(default=0.0, init=False, repr=False)  # thousand node-context pairs recomputed this step
     _sampled_tokens: int = field(default=0, init=False, repr=False)  # draft tokens of sampling requests this step
@@ -135,12 +136,30 @@ class SpecSession:
         now = time.perf_counter()
         if self.budget is not None and self._step_started is not None:
             prefill_tokens = num_scheduled_tokens - len(req_ids) - num_draft_tokens
-            self.budget.cost.observe(now - self._step_started - self._draft_seconds, len(req_ids),
-                                     num_scheduled_tokens, self._tree_work, self._sampled_tokens, prefill_tokens)
+            # An idle engine's step is not learned from (0 s: every tensor-parallel rank calls
+            # observe, which takes the first rank's time and its decision).
+            seconds = 0.0 if self._idle_before(now) else now - self._step_started - self._draft_seconds
+            self.budget.cost.observe(seconds, len(req_ids), num_scheduled_tokens, self._tree_work,
+                                     self._sampled_tokens, prefill_tokens)
         self._step_started = now
         self.step += 1
         self.step_req_ids = list(req_ids)
         self.step_samples = samples
+
+    def runner_step_began(self) -> None:
+        """The runner started a step (``execute_model``): what came before it since the last
+        drafting was the engine's scheduling, or the engine waiting for requests."""
+        self._runner_started = time.perf_counter()
+
+    def _idle_before(self, now: float) -> bool:
+        """Whether the engine waited for requests before the step ending ``now``: the time between
+        the last drafting and the runner's start was longer than the runner's step itself
+        (scheduling never is). Early on, before the cost model could call such a step an
+        outlier, one idle minute (a readiness probe, then no traffic) priced every later step."""
+        started = self._runner_started
+        if started is None or self._step_started is None or started < self._step_started:
+            return False
+        return started - self._step_started - self._draft_seconds > now - started
 
     def end_step(self) -> None:
         """``propose`` returned: its time is drafting, not the target's."""
@@ -216,8 +235,6 @@ class SpecSession:
             self.requests.pop(req_id, None)
         if self.live_index is not None:
             self.live_index.remove(req_ids)
-        if self.budget is not None:
-            self.budget.release(req_ids)
 
     def follow_live_index(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
         """Bring the live index (when there is one) up to every row's tokens so far
