@@ -282,7 +282,7 @@ def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namesp
 def run_interleaved(model: Path, names: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
     """Every config's engine at once, the prompts in groups of ``--concurrency`` run by every
     engine in turn (the order rotating from group to group), so that the machine's drift falls
-    on every config alike; each config's groups count as one run."""
+    on every config alike; each pass over the prompts (``--repeats``) counts as one run."""
     configs = {name: configured(model, name, args) for name in names}
     engines = {}
     try:

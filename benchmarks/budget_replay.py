@@ -4,7 +4,7 @@ With greedy verification a draft's accepted length is fixed by the output the mo
 anyway, so the whole drafting loop can be replayed without the model: the target's greedy
 outputs of a workload are generated once (in-process vLLM, fp32; cached), then requests are
 decoded in lock step, ``--concurrency`` at a time (a finished request's slot takes the next):
-REST through the real kernel, goodput budget (calibration, per-request factors, chooser), output
+REST through the real kernel, goodput budget (calibration, cost model, chooser), output
 index and live index, exactly as the proposer drives them, and Arctic Inference's
 ``SuffixDecodingCache`` as vLLM's ``suffix`` method drives it. A step's time is simulated with a
 fixed linear cost (``--step-ms + --request-ms × requests + --draft-token-ms × drafts``, the

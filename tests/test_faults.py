@@ -372,7 +372,7 @@ class TestTreeMode:
 @pytest.mark.engine
 def test_aborted_requests_leave_no_state_behind(model_dir, code_store):
     """Requests aborted mid-generation (what a client hanging up does) release the session's
-    per-request state and budget slots, and give their tokens to the output index."""
+    per-request state, and give their tokens to the output index."""
     from vllm import SamplingParams
 
     spec = EngineSpec(model_dir, speculative_config={"model": "vllm_retrieval_spec.RestProposer",
@@ -389,11 +389,11 @@ def test_aborted_requests_leave_no_state_behind(model_dir, code_store):
         while not session.requests and steps < 64:  # until some request holds a tree
             engine.step()
             steps += 1
-        assert session.requests and len(session.budget.factors.slots) == 8
+        assert session.requests
         engine.abort_request(ids[:6])
         engine.step()
-        assert len(session.budget.factors.slots) == 2 and len(session.requests) <= 2
+        assert len(session.requests) <= 2
         engine.abort_request(ids[6:])
         engine.step()
-        assert session.requests == {} and session.budget.factors.slots == {}
+        assert session.requests == {}
         assert session.output_index.stats.sequences_added == 8
