@@ -163,16 +163,15 @@ class GoodputBudget:
         return float(self.cost.predict(num_reqs, num_reqs)) / max(num_reqs, 1)
 
     def worth_searching(self, num_rows: int, num_reqs: int, samples: np.ndarray | None = None) -> np.ndarray:
-        """Which of ``num_rows`` rows' best possible first node could pay: its optimistic chance (the best
-        root-child bucket) is at least what verifying it (more for a request that ``samples``)
-        and searching for it cost, in tokens, at the rate of a step of ``num_reqs`` requests
-        without drafts (fresh every step, and the search time decays on steps where every search
-        is skipped, so that no decision freezes)."""
+        """Which of ``num_rows`` rows' best possible first node could pay: its optimistic chance
+        (the best root-child bucket) is at least what verifying it (more for a request that
+        ``samples``) and searching for it cost, in tokens, at the rate of a step of ``num_reqs``
+        requests without drafts (fresh every step, and the search time decays on steps where
+        every search is skipped, so that no decision freezes)."""
         if not num_rows:
             return np.ones(0, bool)
-        rate = num_reqs / max(float(self.cost.predict(num_reqs, num_reqs)), 1e-9)
         verify = self.cost.per_token + (0.0 if samples is None else self.cost.per_sampled_token * samples)
-        threshold = rate * (verify + self.search_seconds_per_row)
+        threshold = (verify + self.search_seconds_per_row) / max(self.seconds_per_token(num_reqs), 1e-12)
         worth = np.broadcast_to(self.calibration.best_first_chance() >= threshold, (num_rows,)).copy()
         self.stats.skipped_rows += int((~worth).sum())
         if not worth.any():

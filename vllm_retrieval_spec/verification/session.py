@@ -6,8 +6,8 @@ drafter, and owns everything that lives between drafting and verification:
 - the request ids of the rows being drafted for, and which of them sample (temperature > 0),
   from the runner before each ``propose``;
 - per-request state (:class:`RequestState`: the last drafted tree and, for sampled candidates,
-  the distributions they were drawn from), released
-  when the scheduler reports the request finished or aborted;
+  the distributions they were drawn from), released when the scheduler reports the request
+  finished or aborted;
 - the cross-request :class:`~vllm_retrieval_spec.datastores.output_index.OutputIndex` (REST
   with ``use_output_index``), fed with the tokens of every finished request;
 - the cross-request :class:`~vllm_retrieval_spec.datastores.live_index.LiveIndex` of the
@@ -17,8 +17,9 @@ drafter, and owns everything that lives between drafting and verification:
   gives it (``dense_learned_positions``): the keys of every generated token, learned when
   their request finishes, dropped when it is aborted;
 - with ``budget: auto``, the :class:`~vllm_retrieval_spec.goodput.GoodputBudget`, whose cost
-  model learns from the time between consecutive drafting calls (drafting itself excluded)
-  and the tokens the step in between scheduled;
+  model learns from the time between consecutive drafting calls (drafting itself excluded,
+  and not at all when the engine waited for requests in between) and the tokens the step in
+  between scheduled;
 - the plan of every target step our sampler verifies (a tree branches, or a request that
   samples has drafts): the trees and draft distributions the sampler walks and, for branching
   trees, depth positions, the tree-attention fix-up and the KV compaction of the accepted
