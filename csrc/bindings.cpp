@@ -98,4 +98,5 @@ NB_MODULE(_C, m) {
   vrs_bind::bind_drafting(m);
   vrs_bind::bind_trees(m);
   vrs_bind::bind_live(m);
+  vrs_bind::bind_goodput(m);
 }

@@ -1,4 +1,4 @@
-// Shared pieces of the Python bindings (bindings.cpp, bind_drafting.cpp, bind_trees.cpp).
+// Shared pieces of the Python bindings (bindings.cpp, bind_drafting.cpp, bind_goodput.cpp, bind_trees.cpp).
 //
 // Arrays cross as NumPy arrays or any DLPack producer (torch tensors included); no PyTorch
 // headers are used. Kernels with a CUDA backend fill outputs the caller allocated (so device
@@ -47,5 +47,6 @@ int64_t check_rows(const TokenMatrix<nb::device::cpu>& tokens,
 void bind_drafting(nb::module_& m);
 void bind_trees(nb::module_& m);
 void bind_live(nb::module_& m);
+void bind_goodput(nb::module_& m);
 
 }  // namespace vrs_bind

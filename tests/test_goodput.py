@@ -217,7 +217,7 @@ def test_acceptance_is_read_back_from_the_sampled_tokens():
     tokens = np.array([[5, 6, 7, 8], [5, 9, 3, 4]], np.int32)
     nodes = DraftNodes(tokens, parents, np.array([4, 4], np.int32), np.ones((2, 4), np.float32),
                        np.full((2, 4), SOURCE_CONTEXT, np.int8), np.full((2, 4), 4, np.int32))
-    keep = budget.choose(["a", "b"], nodes, np.array([4, 4]), 2, 0.0)
+    keep = budget.choose(["a", "b"], nodes, np.array([4, 4]), 2, 0.0, trees=True)
     assert keep.all()
     # Rows come back reordered; "a" accepted 5 6 then the target said 1; "b" took 9 3 then 2.
     budget.observe(["b", "a"], [[9, 3, 2], [5, 6, 1]])
@@ -461,11 +461,12 @@ def test_the_chance_table_follows_observations_and_is_reused_between_refreshes()
     table = calibration.chance_table()
     assert calibration.chance_table() is table  # nothing new: the same arrays
     assert table.chance.flags.c_contiguous  # the kernel reads it as it is: no copy every step
+    before = table.chance.reshape(-1)[bucket]
     calibration.observe(bucket, np.full(bucket.shape, 0.5), np.ones(bucket.shape, bool))
     for _ in range(4):
         calibration.tick()
     fresh = calibration.chance_table()
-    assert fresh is not table
+    assert fresh is table and (fresh.chance.reshape(-1)[bucket] > before).all()  # refilled in place
     midpoint = np.full(bucket.shape, 0.95)  # raw probability 1.0: the last bucket, [0.9, 1.0)
     np.testing.assert_allclose(fresh.chance.reshape(-1)[bucket], calibration.estimate(bucket, midpoint), rtol=1e-6)
 

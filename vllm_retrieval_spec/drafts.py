@@ -68,9 +68,12 @@ class DraftNodes:
         """The nodes of ``rows`` only."""
         return DraftNodes(*(np.asarray(getattr(self, f.name))[rows] for f in dataclasses.fields(self)))
 
-    def kept(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def kept(self, keep: np.ndarray, prefixes: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The nodes where ``keep`` (closed under parents) moved to the front of each row, in
-        their order (parents still first), parents renumbered: tokens, parents, sizes, sources."""
+        their order (parents still first), parents renumbered: tokens, parents, sizes, sources.
+        ``prefixes``: each row keeps its first nodes (chains), which stay where they are."""
+        if prefixes:
+            return self.tokens, self.parents, keep.sum(axis=1), np.asarray(self.source)
         order = np.argsort(~keep, axis=1, kind="stable")
         position = np.cumsum(keep, axis=1) - 1
         parents = np.take_along_axis(np.asarray(self.parents), order, axis=1)

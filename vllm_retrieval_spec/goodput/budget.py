@@ -30,6 +30,7 @@ from vllm_retrieval_spec.goodput.chooser import NodeCandidates, choose_nodes, ma
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 from vllm_retrieval_spec.goodput.paths import first_children, fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
+from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class PendingNodes:
     source: np.ndarray
     branch: np.ndarray  # [rows, N] the branch roots, whose chances the branch factor scaled
     branch_factor: float
+    chains: bool  # each row a chain (read back by the chain kernel)
 
 
 @dataclass
@@ -133,9 +135,12 @@ class GoodputBudget:
         present = rows >= 0
         if not present.any():
             return
-        sampled = _padded([sampled_token_ids[row] for row in rows[present]], pending.tokens.shape[1] + 1)
-        accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
-                                       pending.keep[present], sampled)
+        sampled = [sampled_token_ids[row] for row in rows[present]]
+        if pending.chains:
+            accepted, observed = chain_outcomes(pending.tokens[present], pending.keep[present], sampled)
+        else:
+            accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
+                                           pending.keep[present], _padded(sampled, pending.tokens.shape[1] + 1))
         chance, bucket = pending.chance[present], pending.bucket[present]
         roots = observed & pending.branch[present]
         counted = observed & ~roots
@@ -160,7 +165,7 @@ class GoodputBudget:
 
     def seconds_per_token(self, num_reqs: int) -> float:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""
-        return float(self.cost.predict(num_reqs, num_reqs)) / max(num_reqs, 1)
+        return self.cost.idle_seconds(num_reqs) / max(num_reqs, 1)
 
     def worth_searching(self, num_rows: int, num_reqs: int, samples: np.ndarray | None = None) -> np.ndarray:
         """Which of ``num_rows`` rows' best possible first node could pay: its optimistic chance
@@ -170,7 +175,9 @@ class GoodputBudget:
         every search is skipped, so that no decision freezes)."""
         if not num_rows:
             return np.ones(0, bool)
-        verify = self.cost.per_token + (0.0 if samples is None else self.cost.per_sampled_token * samples)
+        verify = self.cost.per_token
+        if samples is not None and samples.any():
+            verify = verify + self.cost.per_sampled_token * samples
         threshold = (verify + self.search_seconds_per_row) / max(self.seconds_per_token(num_reqs), 1e-12)
         worth = np.broadcast_to(self.calibration.best_first_chance() >= threshold, (num_rows,)).copy()
         self.stats.skipped_rows += int((~worth).sum())
@@ -185,40 +192,61 @@ class GoodputBudget:
                draft_seconds: float, trees: bool = False, samples: np.ndarray | None = None,
                context_tokens: np.ndarray | None = None) -> np.ndarray:
         """The candidate nodes to verify (``[rows, N]`` mask, closed under parents); ``trees``:
-        the nodes form trees that may branch (branch roots' chances scaled by the branch factor);
-        ``samples``: the rows whose requests sample;
-        ``context_tokens``: each row's tokens so far (what tree attention reads per node)."""
+        the nodes form trees that may branch (branch roots' chances scaled by the branch factor),
+        else each row is a chain (chosen in one kernel call); ``samples``: the rows whose
+        requests sample; ``context_tokens``: each row's tokens so far (what tree attention reads
+        per node)."""
         if self.clock is not None:  # the first rank's drafting time, before anything reads it
             draft_seconds = self.clock.shared(draft_seconds)
-        width = nodes.width
-        valid = np.arange(width)[None, :] < nodes.size[:, None]
-        depth = node_depths(nodes.parents)
-        bucket = self.calibration.buckets(nodes, depth)
-        first_child = first_children(nodes.parents, nodes.size) if trees else valid
-        branch = valid & ~first_child
-        branch_factor = self.branches.factor
-        if trees:
-            self.branches.tick()
-        chance = self.calibration.estimate(bucket, nodes.prob)
-        chance = np.where(valid, np.minimum(np.where(branch, chance * branch_factor, chance), MAX_CHANCE), 0.0)
         per_row = draft_seconds / max(len(req_ids), 1)
         self.search_seconds_per_row += SEARCH_TIME_SMOOTHING * (per_row - self.search_seconds_per_row)
-        candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
-                                    main_paths(nodes.parents, first_child) if trees else None, samples, context_tokens)
-        choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
+        if trees:
+            pending = self._choose_in_trees(req_ids, nodes, budgets, num_reqs, draft_seconds, samples, context_tokens)
+        else:
+            pending = self._choose_in_chains(req_ids, nodes, budgets, num_reqs, draft_seconds, samples)
         self.calibration.tick()
         self.stats.steps += 1
         self.stats.drafting_seconds += draft_seconds
-        self.stats.candidate_nodes += int(valid.sum())
-        kept = int(choice.keep.sum())
+        self.stats.candidate_nodes += int(np.minimum(nodes.size, nodes.width).sum())
+        kept = int(pending.keep.sum())
         self.stats.chosen_nodes += kept
         self.stats.drafted_steps += kept > 0
         if self.stats.steps % LOG_EVERY_STEPS == 0:
             self.log_summary()
         if kept:
-            self._pending = PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance,
-                                         choice.keep, nodes.source, branch, branch_factor)
-        return choice.keep
+            self._pending = pending
+        return pending.keep
+
+    def _choose_in_chains(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
+                          draft_seconds: float, samples: np.ndarray | None) -> PendingNodes:
+        """Chains: buckets, chances and the choice in one kernel call (``kernels/chain_choice.py``,
+        the arithmetic of :meth:`_choose_in_trees` without branches)."""
+        bucket, chance, keep = choose_chain_nodes(nodes, budgets, samples, num_reqs,
+                                                  self.calibration.chain_calibration(), self.cost.chain_terms(),
+                                                  draft_seconds, self.margin)
+        depth = np.broadcast_to(np.arange(nodes.width, dtype=np.int32), keep.shape)
+        return PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance, keep, nodes.source,
+                            np.zeros(keep.shape, bool), 1.0, chains=True)
+
+    def _choose_in_trees(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
+                         draft_seconds: float, samples: np.ndarray | None,
+                         context_tokens: np.ndarray | None) -> PendingNodes:
+        """Trees: branch roots' chances scaled by the branch factor, and chains through first
+        children competing with the whole trees (:func:`choose_nodes`)."""
+        valid = np.arange(nodes.width)[None, :] < nodes.size[:, None]
+        depth = node_depths(nodes.parents)
+        bucket = self.calibration.buckets(nodes, depth)
+        first_child = first_children(nodes.parents, nodes.size)
+        branch = valid & ~first_child
+        branch_factor = self.branches.factor
+        self.branches.tick()
+        chance = self.calibration.estimate(bucket, nodes.prob)
+        chance = np.where(valid, np.minimum(np.where(branch, chance * branch_factor, chance), MAX_CHANCE), 0.0)
+        candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
+                                    main_paths(nodes.parents, first_child), samples, context_tokens)
+        choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
+        return PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance, choice.keep,
+                            nodes.source, branch, branch_factor, chains=False)
 
     def log_summary(self) -> None:
         """The learned step cost and what the budget kept and saw accepted (logged periodically)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
+from vllm_retrieval_spec.kernels.chain_choice import ChainCalibration
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
@@ -119,24 +120,36 @@ class AcceptanceCalibration:
         most every ``TABLE_REFRESH_STEPS`` steps and only after new observations (the same
         arrays otherwise: nothing copied)."""
         if self._table is None or (self._table_stale and self.steps - self._table_step >= TABLE_REFRESH_STEPS):
+            if self._table is None:  # filled in place from now on: no 1.7 MB of new arrays per refresh
+                self._chances = np.empty(SHAPE)
+                self._table = ChanceTable(np.empty(SHAPE, np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
             self._first = self._first_counts()
-            self._chances, self._best_first = self._all_chances(), self._best_first_chance()
-            self._table = ChanceTable(self._chances.astype(np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
+            self._fill_chances(self._chances)
+            self._table.chance[...] = self._chances
+            self._best_first = self._best_first_chance()
             self._table_step, self._table_stale = self.steps, False
         return self._table
 
-    def _all_chances(self) -> np.ndarray:
-        """Every bucket's chance with the raw-probability bucket's midpoint as the drafter's
-        guess, each depth shrunk towards the one above it."""
+    def chain_calibration(self) -> ChainCalibration:
+        """What the chain chooser's kernel reads to estimate chances as :meth:`estimate` does
+        (views of the current counts and table: valid until the next step)."""
+        self.chance_table()
+        first_accepted, first_observed = self._first
+        return ChainCalibration(self._chances, self.accepted, self.observed, first_accepted, first_observed,
+                                LENGTH_BUCKET, DEPTH_BUCKET, self.prior_strength, RAW_PRIOR_SCALE, MIN_CHANCE,
+                                MAX_CHANCE)
+
+    def _fill_chances(self, chances: np.ndarray) -> None:
+        """Every bucket's chance (into ``chances``, ``SHAPE`` in C order: read flat every step)
+        with the raw-probability bucket's midpoint as the drafter's guess, each depth shrunk
+        towards the one above it."""
         midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
         accepted, observed = self._first
         first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
-        chances = np.empty(SHAPE)  # C order: read flat every step
         chances[...] = _bounded(first.copy())[None, :, None, :]  # unseen sources keep the prior at every depth
         seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))
         chances[seen] = _bounded(_depth_chained(self.accepted[seen], self.observed[seen], first[None],
                                                 self.prior_strength))
-        return chances
 
     def _first_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Decaying accepted and observed counts of depth-0 nodes per match-length bucket."""

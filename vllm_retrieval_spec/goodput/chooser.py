@@ -66,7 +66,7 @@ def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
     """The nodes (at most ``budgets[i]`` for row ``i``) of the best expected rate with their
     cost counted ``1 + margin`` times, or none when that rate does not beat not speculating."""
     num_reqs = candidates.num_reqs
-    idle = float(cost.predict(num_reqs, num_reqs))
+    idle = cost.idle_seconds(num_reqs)
     best = _best_prefix(candidates, cost, idle, draft_seconds, margin)
     if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
         chain = _best_prefix(candidates.restricted_to_main_paths(), cost, idle, draft_seconds, margin)

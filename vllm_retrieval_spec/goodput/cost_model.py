@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_retrieval_spec.goodput.ranks import SharedClock
+from vllm_retrieval_spec.kernels.chain_choice import ChainStepCost
 
 # Start-up priors (seconds): base, per request, per draft token, per thousand tree-attention
 # node-context pairs, per sampled draft token, per step with tree attention, per prefill token;
@@ -54,6 +55,9 @@ def tree_work(recomputed_nodes: np.ndarray | float, context_tokens: np.ndarray |
 
 
 WARM_UP_STEPS = 8
+# Past the warm-up the fit follows the sums this many steps behind at most: a solve every step
+# cost ~0.08 ms of a 25 ms step on the CPU engine.
+SOLVE_EVERY_STEPS = 4
 
 
 @dataclass
@@ -73,6 +77,9 @@ class StepCostModel:
     def __post_init__(self) -> None:
         if len(self.prior) != FEATURES:
             raise ValueError(f"a step-cost prior has {FEATURES} terms {COST_TERMS}, got {len(self.prior)}")
+        # The ridge weighs the prior like prior_steps typical steps would.
+        self._ridge = np.diag(RIDGE_SCALES**2 * self.prior_steps)
+        self._ridge_prior = self._ridge @ np.asarray(self.prior, np.float64)
 
     @classmethod
     def for_device(cls, device_type: str, clock: SharedClock | None = None) -> StepCostModel:
@@ -104,6 +111,17 @@ class StepCostModel:
         """What a step that runs tree attention at all pays once."""
         return float(self.coefficients[5])
 
+    def idle_seconds(self, num_reqs: int) -> float:
+        """Seconds of a step of ``num_reqs`` requests without drafts (``predict(num_reqs,
+        num_reqs)``, in scalars)."""
+        a, b = self.coefficients[:2].tolist()
+        return a + b * num_reqs
+
+    def chain_terms(self) -> ChainStepCost:
+        """The terms a step verifying chains reads (no tree attention, no prefill)."""
+        a, b, c, _, e, _, _ = self.coefficients.tolist()
+        return ChainStepCost(a, b, c, e)
+
     def predict(self, num_reqs: float, num_tokens: np.ndarray | float, tree_work: np.ndarray | float = 0,
                 sampled: np.ndarray | float = 0, prefill_tokens: float = 0) -> np.ndarray:
         """Seconds of one step with ``num_reqs`` requests, ``num_tokens`` tokens (of which
@@ -124,16 +142,16 @@ class StepCostModel:
         if num_reqs <= 0 or seconds <= 0:
             return False
         prefill_tokens = min(max(prefill_tokens, 0), max(num_tokens - num_reqs, 0))
-        predicted = float(self.predict(num_reqs, num_tokens, tree_work, sampled, prefill_tokens))
-        if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
-            self.rejected += 1
-            return False
         drafts = max(num_tokens - num_reqs - prefill_tokens, 0)
         x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens])
+        if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * float(self.coefficients @ x):
+            self.rejected += 1
+            return False
         self._xx = self.forgetting * self._xx + np.outer(x, x)
         self._xy = self.forgetting * self._xy + x * seconds
         self.steps += 1
-        self._theta = None
+        if self.steps <= WARM_UP_STEPS or self.steps % SOLVE_EVERY_STEPS == 0:
+            self._theta = None
         return True
 
     def curve(self, num_reqs: int, max_extra_tokens: int = 64) -> list[dict]:
@@ -143,8 +161,4 @@ class StepCostModel:
         return [{"extra_tokens": int(e), "seconds": float(s)} for e, s in zip(extra, seconds)]
 
     def _solve(self) -> np.ndarray:
-        prior = np.asarray(self.prior, np.float64)
-        # The ridge weighs the prior like prior_steps typical steps would.
-        ridge = np.diag(RIDGE_SCALES**2 * self.prior_steps)
-        theta = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
-        return np.maximum(theta, 0.0)
+        return np.maximum(np.linalg.solve(self._xx + self._ridge, self._xy + self._ridge_prior), 0.0)

@@ -237,12 +237,13 @@ class DraftProposer(abc.ABC):
         trees = batch.trees and self.options.tree and found.tree_tokens is not None  # some draft chains only
         nodes = found.nodes(trees)
         if budget is None:
-            chosen = ChosenDrafts(batch.rows, *nodes.kept(shallowest(nodes.parents, nodes.size, batch.budgets)))
+            chosen = ChosenDrafts(batch.rows, *nodes.kept(shallowest(nodes.parents, nodes.size, batch.budgets),
+                                                          prefixes=not trees))
         else:
             keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
                                  len(sampled_token_ids), time.perf_counter() - start, trees=trees,
                                  samples=self._row_samples(batch.rows), context_tokens=batch.num_tokens[batch.rows])
-            chosen = ChosenDrafts(batch.rows, *nodes.kept(keep))
+            chosen = ChosenDrafts(batch.rows, *nodes.kept(keep, prefixes=not trees))
         return self._draw_candidates(chosen, found) if self._samples_candidates() else chosen
 
     def _row_samples(self, rows: np.ndarray) -> np.ndarray | None:

@@ -1,0 +1,161 @@
+// The goodput budget's choice among chain drafts, in one pass per step, and what verification
+// made of them.
+//
+// Every row's candidate nodes form one chain (node j's parent is node j - 1). Each node gets its
+// calibration bucket (source flags, match-length bucket, depth bucket, raw-probability bucket)
+// and its calibrated chance given its parent: past depth 0 the calibration's table, at depth 0
+// its bucket's decaying counts smoothed towards the depth-0 counts of its match length over the
+// node's own halved raw guess. A node's path chance is the product along its chain. The nodes
+// within their rows' budgets are ranked by path chance per second of verification, and the best
+// b are kept for the b of the highest expected rate (tokens over seconds, what drafting adds
+// counted 1 + margin times), none unless that rate beats a step without drafts.
+//
+// The same arithmetic, in the same order, as the NumPy path it replaces for chains:
+// goodput/calibration.py (buckets, estimate), goodput/paths.py (path_products) and
+// goodput/chooser.py (choose_nodes), which tree mode still runs and tests compare against.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace vrs {
+
+// The calibration's state as the chooser reads it (arrays of goodput/calibration.py).
+struct ChainCalibration {
+  const double* chances;         // [sources, lengths, depths, probs]: every bucket's chance (read past depth 0)
+  const double* accepted;        // same shape: decaying accepted counts (read at depth 0)
+  const double* observed;        // same shape: decaying observed counts
+  const double* first_accepted;  // [lengths]: depth-0 accepted counts per match-length bucket
+  const double* first_observed;  // [lengths]
+  const int32_t* length_bucket;  // [num_length_keys]: a match length's bucket (longer: the last key's)
+  int num_length_keys;
+  const int32_t* depth_bucket;   // [num_depth_keys]: a depth's bucket
+  int num_depth_keys;
+  int sources, lengths, depths, probs;
+  double strength;         // Laplace prior strength
+  double raw_prior_scale;  // the drafter's raw guess is scaled by this in the depth-0 prior
+  double min_chance, max_chance;
+};
+
+// The cost model's terms a chain step reads (goodput/cost_model.py, seconds).
+struct ChainStepCost {
+  double base, per_request, per_token, per_sampled_token;
+};
+
+// One step's chain candidates, [rows, width] row-major.
+struct ChainCandidates {
+  int rows, width;
+  const float* prob;         // the drafter's raw guess given the parent
+  const int8_t* source;      // SOURCE_* flags
+  const int32_t* match_len;  // the match length that retrieved the node
+  const int32_t* size;       // [rows]: valid nodes per row
+  const int32_t* budgets;    // [rows]: at most this many nodes per row
+  const bool* samples;       // [rows]: the row's request samples (nullptr: none does)
+  int num_reqs;              // requests in the step
+};
+
+class ChainChooser {
+ public:
+  // Fills bucket, chance (given the parent; 0 past a row's size) and keep ([rows, width] each);
+  // returns the number of nodes kept.
+  int64_t choose(const ChainCandidates& in, const ChainCalibration& cal, const ChainStepCost& cost,
+                 double draft_seconds, double margin, int64_t* bucket, double* chance, bool* keep) {
+    candidates_.clear();
+    for (int r = 0; r < in.rows; ++r) {
+      const int64_t offset = static_cast<int64_t>(r) * in.width;
+      const int valid = std::min(in.size[r], in.width);
+      const int within = std::min(valid, in.budgets[r]);
+      const double node_cost = cost.per_token + cost.per_sampled_token * (in.samples != nullptr && in.samples[r]);
+      double path = 1.0;
+      for (int j = 0; j < in.width; ++j) {
+        const int64_t i = offset + j;
+        keep[i] = false;
+        if (j >= valid) {
+          bucket[i] = 0;
+          chance[i] = 0.0;
+          continue;
+        }
+        bucket[i] = bucket_of(cal, in.source[i], in.match_len[i], j, in.prob[i]);
+        chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], in.match_len[i], in.prob[i]),
+                             cal.max_chance);
+        path *= chance[i];
+        if (j < within && path > 0.0) candidates_.push_back({-path / std::max(node_cost, 1e-12), i, path});
+      }
+    }
+    std::stable_sort(candidates_.begin(), candidates_.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.key < b.key; });
+    const double reqs = in.num_reqs;
+    const double idle = cost.base + cost.per_request * reqs;
+    double gained = 0.0, best_objective = reqs / std::max(idle, 1e-9), best_gained = 0.0, best_added = 0.0;
+    int64_t sampled = 0, best = 0;
+    for (size_t k = 0; k < candidates_.size(); ++k) {
+      const Candidate& c = candidates_[k];
+      gained += c.path;
+      sampled += in.samples != nullptr && in.samples[c.flat / in.width];
+      const double count = static_cast<double>(k + 1);
+      const double added = cost.base + cost.per_request * reqs + cost.per_token * count +
+                           cost.per_sampled_token * static_cast<double>(sampled) - idle + draft_seconds;
+      const double objective = (reqs + gained) / std::max(idle + (1.0 + margin) * added, 1e-9);
+      if (objective > best_objective) {
+        best_objective = objective;
+        best = static_cast<int64_t>(k + 1);
+        best_gained = gained;
+        best_added = added;
+      }
+    }
+    const double rate = (reqs + best_gained) / std::max(idle + best_added + margin * best_added, 1e-9);
+    if (best == 0 || rate <= reqs / std::max(idle, 1e-9)) return 0;
+    for (int64_t k = 0; k < best; ++k) keep[candidates_[k].flat] = true;
+    return best;
+  }
+
+ private:
+  struct Candidate {
+    double key;  // minus path chance per second of verification
+    int64_t flat;
+    double path;
+  };
+
+  static int64_t bucket_of(const ChainCalibration& cal, int8_t source, int32_t match_len, int depth, float prob) {
+    const int length = cal.length_bucket[std::clamp(match_len, 0, cal.num_length_keys - 1)];
+    const int deep = cal.depth_bucket[std::clamp(depth, 0, cal.num_depth_keys - 1)];
+    const float scaled = prob * static_cast<float>(cal.probs);  // NaN and negatives: bucket 0, as NumPy's clip
+    const int raw = scaled >= 1.0f ? std::min(static_cast<int>(std::min(scaled, 1e9f)), cal.probs - 1) : 0;
+    const int flags = ((static_cast<int>(source) % cal.sources) + cal.sources) % cal.sources;
+    return ((static_cast<int64_t>(flags) * cal.lengths + length) * cal.depths + deep) * cal.probs + raw;
+  }
+
+  // A depth-0 node's chance: its bucket's counts smoothed towards its match length's depth-0
+  // counts over its halved raw guess, clipped to [min_chance, max_chance].
+  static double first_chance(const ChainCalibration& cal, int64_t bucket, int32_t match_len, float prob) {
+    const int length = cal.length_bucket[std::clamp(match_len, 0, cal.num_length_keys - 1)];
+    const double prior = (cal.first_accepted[length] + cal.strength * cal.raw_prior_scale * static_cast<double>(prob)) /
+                         (cal.first_observed[length] + cal.strength);
+    const double smoothed = (cal.accepted[bucket] + cal.strength * prior) / (cal.observed[bucket] + cal.strength);
+    return std::clamp(smoothed, cal.min_chance, cal.max_chance);
+  }
+
+  std::vector<Candidate> candidates_;
+};
+
+// What verification made of one row's chain (its first `width` nodes, `keep` a prefix of them)
+// given the `emitted` tokens the target sampled for the row: a node is accepted when every node
+// up to it was kept and matched its sampled token before the last one (the last sampled token
+// is the target's own); observed when it was kept, its parent accepted and the step sampled
+// past its depth, except a node matching the last sampled token (cut by the scheduler:
+// unknown). As goodput/budget.py's _outcomes for chains.
+inline void chain_outcomes(const int32_t* tokens, const bool* keep, int width, const int32_t* sampled, int emitted,
+                           bool* accepted, bool* observed) {
+  emitted = std::min(emitted, width + 1);
+  bool parent_accepted = true;
+  for (int j = 0; j < width; ++j) {
+    const bool matched = j < emitted && tokens[j] == sampled[j];
+    observed[j] = keep[j] && parent_accepted && j < emitted && !(matched && j == emitted - 1);
+    parent_accepted = parent_accepted && keep[j] && matched && j < emitted - 1;
+    accepted[j] = parent_accepted;
+  }
+}
+
+}  // namespace vrs

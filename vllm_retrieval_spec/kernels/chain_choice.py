@@ -1,0 +1,84 @@
+"""The goodput budget's choice among chain drafts in one C++ call a step, and what verification
+made of them: the front end of ``csrc/chain_choice.h``.
+
+Per node of each row's chain: its calibration bucket, its calibrated chance given its parent
+(the table past depth 0; at depth 0 its bucket's counts over its match length's depth-0 counts
+and its own halved raw guess) and the product along the chain; then the nodes within their rows'
+budgets ranked by chance per second of verification, and the best prefix of that order for the
+highest expected rate, or none when it does not beat a step without drafts. The arithmetic is
+the NumPy path's, in the same order (``goodput/calibration.py`` ``buckets`` and ``estimate``,
+``goodput/paths.py`` ``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees
+still run and which the tests compare this kernel against; :func:`chain_outcomes` is
+``goodput/budget.py``'s ``_outcomes`` for chains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_retrieval_spec.drafts import DraftNodes
+from vllm_retrieval_spec.kernels.extension import load_extension
+
+
+@dataclass(frozen=True)
+class ChainCalibration:
+    """What the chooser reads of the calibration: every bucket's chance (``[sources, lengths,
+    depths, probs]`` float64, read past depth 0), the decaying accepted and observed counts (same
+    shape, read at depth 0), the depth-0 counts per match-length bucket, the bucket lookups of
+    match lengths and depths (int32), the prior strength, the scale of a drafter's raw guess in
+    the depth-0 prior and the chances' bounds."""
+
+    chances: np.ndarray
+    accepted: np.ndarray
+    observed: np.ndarray
+    first_accepted: np.ndarray
+    first_observed: np.ndarray
+    length_bucket: np.ndarray
+    depth_bucket: np.ndarray
+    strength: float
+    raw_prior_scale: float
+    min_chance: float
+    max_chance: float
+
+
+@dataclass(frozen=True)
+class ChainStepCost:
+    """The step-cost terms a chain step reads (seconds): a step, a request, a draft token and a
+    sampling request's draft token beyond that."""
+
+    base: float
+    per_request: float
+    per_token: float
+    per_sampled_token: float
+
+
+def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarray | None, num_reqs: int,
+                       calibration: ChainCalibration, cost: ChainStepCost, draft_seconds: float,
+                       margin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For chain candidates ``nodes`` (node ``j``'s parent is node ``j - 1``), at most
+    ``budgets[i]`` nodes of row ``i``, ``samples`` the rows whose requests sample: each node's
+    bucket (int64), chance given its parent (float64, 0 past the row's size) and whether it is
+    kept (bool), ``[rows, N]`` each."""
+    return load_extension().choose_chain_nodes(
+        np.ascontiguousarray(nodes.prob, np.float32), np.ascontiguousarray(nodes.source, np.int8),
+        np.ascontiguousarray(nodes.match_len, np.int32), np.ascontiguousarray(nodes.size, np.int32),
+        np.ascontiguousarray(budgets, np.int32), None if samples is None else np.ascontiguousarray(samples, bool),
+        num_reqs, calibration.chances, calibration.accepted, calibration.observed, calibration.first_accepted,
+        calibration.first_observed, calibration.length_bucket, calibration.depth_bucket, calibration.strength,
+        calibration.raw_prior_scale, calibration.min_chance, calibration.max_chance, cost.base, cost.per_request,
+        cost.per_token, cost.per_sampled_token, draft_seconds, margin,
+    )
+
+
+def chain_outcomes(tokens: np.ndarray, keep: np.ndarray,
+                   sampled: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per node of each row's chain (``tokens`` and the ``keep`` mask ``[rows, N]``), given the
+    tokens the target ``sampled`` for the row: accepted (every node up to it kept and matching
+    its sampled token before the last) and observed (kept, its parent accepted, the step sampled
+    past its depth, and not the last sampled token's match: the scheduler cut it), bool
+    ``[rows, N]`` each."""
+    return load_extension().chain_outcomes(np.ascontiguousarray(tokens, np.int32), np.ascontiguousarray(keep, bool),
+                                           sampled)
