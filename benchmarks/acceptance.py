@@ -50,6 +50,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -295,18 +296,25 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
         for _ in range(args.repeats):
             for name in names:
                 groups[name].append([])
-            for index, start in enumerate(range(0, len(prompts), size)):
-                turn = index % len(names)
-                for name in names[turn:] + names[:turn]:
-                    groups[name][-1].append(generate(
-                        engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
-                        seeds=seeds and seeds[start:start + size], **sampling_of(args)))
+            for start, name in interleaved_turns(names, len(prompts), size):
+                groups[name][-1].append(generate(
+                    engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
+                    seeds=seeds and seeds[start:start + size], **sampling_of(args)))
         budgets = {name: budget_report(llm, args.concurrency) for name, llm in engines.items()}
     finally:
         for llm in engines.values():
             shutdown_llm(llm)
     return [config_result(name, configs[name][0], [joined(runs) for runs in groups[name]], budgets[name])
             for name in names]
+
+
+def interleaved_turns(names: list[str], num_prompts: int, size: int) -> Iterator[tuple[int, str]]:
+    """``(first prompt of a group, config)`` in the order ``--interleave`` runs them: groups of
+    ``size`` prompts, each run by every config in turn, the order rotating from group to group."""
+    for index, start in enumerate(range(0, num_prompts, size)):
+        turn = index % len(names)
+        for name in names[turn:] + names[:turn]:
+            yield start, name
 
 
 def joined(runs: list[GenerationRun]) -> GenerationRun:
