@@ -13,7 +13,8 @@ BUILD=build/sanitize
 PYTHON=.venv/bin/python
 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
 TESTS=(tests/test_fuzz_artifacts.py tests/test_store_checks.py tests/test_rest_kernel.py
-       tests/test_context_ngram_kernel.py tests/test_kernel_drafts.py tests/test_tree_kernels.py)
+       tests/test_context_ngram_kernel.py tests/test_kernel_drafts.py tests/test_tree_kernels.py
+       tests/test_chain_choice.py)
 
 echo "sanitize: building the extension with ASan/UBSan into $BUILD"
 cmake -S csrc -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVRS_CUDA=OFF \
