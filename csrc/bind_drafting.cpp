@@ -332,12 +332,9 @@ std::optional<vrs::ChanceTable> chance_table_of(const std::optional<ChanceArray>
       table.num_length_keys < 1 || table.num_depth_keys < 1)
     throw std::invalid_argument("chance_table must be [>= " + std::to_string(vrs::kSourceCodes) +
                                 " sources, lengths, depths, probs] and the bucket lookups non-empty");
-  for (int i = 0; i < table.num_length_keys; ++i)
-    if (table.length_bucket[i] < 0 || table.length_bucket[i] >= table.lengths)
-      throw std::invalid_argument("length_bucket entries must lie in [0, chance_table.shape[1])");
-  for (int i = 0; i < table.num_depth_keys; ++i)
-    if (table.depth_bucket[i] < 0 || table.depth_bucket[i] >= table.depths)
-      throw std::invalid_argument("depth_bucket entries must lie in [0, chance_table.shape[2])");
+  check_bucket_lookup(table.length_bucket, table.num_length_keys, table.lengths, "length_bucket",
+                      "chance_table.shape[1]");
+  check_bucket_lookup(table.depth_bucket, table.num_depth_keys, table.depths, "depth_bucket", "chance_table.shape[2]");
   return table;
 }
 

@@ -5,7 +5,6 @@
 
 #include <optional>
 #include <stdexcept>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -19,15 +18,6 @@ using Cpu = nb::device::cpu;
 template <typename T, size_t Dims>
 using CpuArray = nb::ndarray<const T, nb::ndim<Dims>, nb::c_contig, Cpu>;
 
-// Each entry of a bucket lookup is a valid index of its axis (the chooser reads tables with it).
-void check_lookup(const CpuArray<int32_t, 1>& lookup, size_t axis_size, const char* name) {
-  if (lookup.shape(0) == 0) throw std::invalid_argument(std::string(name) + " is empty");
-  for (size_t i = 0; i < lookup.shape(0); ++i)
-    if (lookup(i) < 0 || static_cast<size_t>(lookup(i)) >= axis_size)
-      throw std::out_of_range(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(lookup(i)) +
-                              " is outside [0, " + std::to_string(axis_size) + ")");
-}
-
 vrs::ChainCalibration chain_calibration(const CpuArray<double, 4>& chances, const CpuArray<double, 4>& accepted,
                                         const CpuArray<double, 4>& observed, const CpuArray<double, 1>& first_accepted,
                                         const CpuArray<double, 1>& first_observed,
@@ -39,8 +29,9 @@ vrs::ChainCalibration chain_calibration(const CpuArray<double, 4>& chances, cons
       throw std::invalid_argument("chances, accepted and observed must share one non-empty 4-d shape");
   if (first_accepted.shape(0) != chances.shape(1) || first_observed.shape(0) != chances.shape(1))
     throw std::invalid_argument("first_accepted and first_observed must have one entry per match-length bucket");
-  check_lookup(length_bucket, chances.shape(1), "length_bucket");
-  check_lookup(depth_bucket, chances.shape(2), "depth_bucket");
+  check_bucket_lookup(length_bucket.data(), length_bucket.shape(0), chances.shape(1), "length_bucket",
+                      "chances.shape[1]");
+  check_bucket_lookup(depth_bucket.data(), depth_bucket.shape(0), chances.shape(2), "depth_bucket", "chances.shape[2]");
   return {chances.data(), accepted.data(), observed.data(), first_accepted.data(), first_observed.data(),
           length_bucket.data(), static_cast<int>(length_bucket.shape(0)), depth_bucket.data(),
           static_cast<int>(depth_bucket.shape(0)), static_cast<int>(chances.shape(0)),

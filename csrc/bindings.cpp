@@ -41,6 +41,15 @@ int64_t check_rows(const TokenMatrix<nb::device::cpu>& tokens,
   return total;
 }
 
+void check_bucket_lookup(const int32_t* lookup, size_t count, int64_t axis_size, const std::string& name,
+                         const std::string& axis) {
+  if (count == 0) throw std::invalid_argument(name + " is empty");
+  for (size_t i = 0; i < count; ++i)
+    if (lookup[i] < 0 || lookup[i] >= axis_size)
+      throw std::invalid_argument(name + " entries must lie in [0, " + axis + "), not " + name + "[" +
+                                  std::to_string(i) + "] = " + std::to_string(lookup[i]));
+}
+
 }  // namespace vrs_bind
 
 namespace {

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace vrs_bind {
 
@@ -43,6 +44,11 @@ NewArray<T, Dims> new_array(const std::array<size_t, Dims>& shape, T fill) {
 int64_t check_rows(const TokenMatrix<nb::device::cpu>& tokens,
                    const ConstVector<nb::device::cpu>& lengths,
                    const ConstVector<nb::device::cpu>& rows);
+
+// Checks that each of a bucket lookup's `count` entries (a match length's or a depth's bucket)
+// indexes the table axis it reads, of `axis_size` buckets; `name` and `axis` name both in the error.
+void check_bucket_lookup(const int32_t* lookup, size_t count, int64_t axis_size, const std::string& name,
+                         const std::string& axis);
 
 void bind_drafting(nb::module_& m);
 void bind_trees(nb::module_& m);

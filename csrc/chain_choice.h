@@ -77,8 +77,9 @@ class ChainChooser {
           chance[i] = 0.0;
           continue;
         }
-        bucket[i] = bucket_of(cal, in.source[i], in.match_len[i], j, in.prob[i]);
-        chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], in.match_len[i], in.prob[i]),
+        const int length = cal.length_bucket[std::clamp(in.match_len[i], 0, cal.num_length_keys - 1)];
+        bucket[i] = bucket_of(cal, in.source[i], length, j, in.prob[i]);
+        chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], length, in.prob[i]),
                              cal.max_chance);
         path *= chance[i];
         if (j < within && path > 0.0) candidates_.push_back({-path / std::max(node_cost, 1e-12), i, path});
@@ -118,8 +119,8 @@ class ChainChooser {
     double path;
   };
 
-  static int64_t bucket_of(const ChainCalibration& cal, int8_t source, int32_t match_len, int depth, float prob) {
-    const int length = cal.length_bucket[std::clamp(match_len, 0, cal.num_length_keys - 1)];
+  // The flat bucket of a node at `depth` with match-length bucket `length`.
+  static int64_t bucket_of(const ChainCalibration& cal, int8_t source, int length, int depth, float prob) {
     const int deep = cal.depth_bucket[std::clamp(depth, 0, cal.num_depth_keys - 1)];
     const float scaled = prob * static_cast<float>(cal.probs);  // NaN and negatives: bucket 0, as NumPy's clip
     const int raw = scaled >= 1.0f ? std::min(static_cast<int>(std::min(scaled, 1e9f)), cal.probs - 1) : 0;
@@ -127,10 +128,9 @@ class ChainChooser {
     return ((static_cast<int64_t>(flags) * cal.lengths + length) * cal.depths + deep) * cal.probs + raw;
   }
 
-  // A depth-0 node's chance: its bucket's counts smoothed towards its match length's depth-0
-  // counts over its halved raw guess, clipped to [min_chance, max_chance].
-  static double first_chance(const ChainCalibration& cal, int64_t bucket, int32_t match_len, float prob) {
-    const int length = cal.length_bucket[std::clamp(match_len, 0, cal.num_length_keys - 1)];
+  // A depth-0 node's chance: its bucket's counts smoothed towards its match-length bucket's
+  // depth-0 counts over its halved raw guess, clipped to [min_chance, max_chance].
+  static double first_chance(const ChainCalibration& cal, int64_t bucket, int length, float prob) {
     const double prior = (cal.first_accepted[length] + cal.strength * cal.raw_prior_scale * static_cast<double>(prob)) /
                          (cal.first_observed[length] + cal.strength);
     const double smoothed = (cal.accepted[bucket] + cal.strength * prior) / (cal.observed[bucket] + cal.strength);

@@ -98,7 +98,7 @@ def test_a_lookup_outside_the_table_is_refused():
     broken = dataclasses.replace(calibration, depth_bucket=np.full(4, SHAPE[2], np.int32))
     nodes = DraftNodes(np.zeros((1, 2), np.int32), np.array([[-1, 0]], np.int32), np.array([2], np.int32),
                        np.ones((1, 2), np.float32), np.full((1, 2), 2, np.int8), np.ones((1, 2), np.int32))
-    with pytest.raises(IndexError, match="depth_bucket"):
+    with pytest.raises(ValueError, match="depth_bucket entries must lie in"):
         choose_chain_nodes(nodes, np.array([2]), None, 1, broken, StepCostModel().chain_terms(), 0.0, 0.05)
 
 
