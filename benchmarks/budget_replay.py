@@ -15,8 +15,11 @@ were found. It leaves out the engine's own dynamics (a learned step cost, prefil
 confirm a change on the engine (a first-token-only request factor won here and lost there).
 
     python benchmarks/budget_replay.py --workloads code_edit humaneval_chat --concurrency 1 8
+    python benchmarks/budget_replay.py --prior-strengths 2 8 --tag strength   # REST once per prior strength
+    python benchmarks/budget_replay.py --same-states   # REST's drafts against suffix's from the same states
 
-Writes results/budget_replay_c<concurrency>[_<tag>].json and prints a table.
+Writes results/budget_replay_c<concurrency>[_<tag>].json (``--same-states``:
+results/budget_replay_same_states[_<tag>].json) and prints a table.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # n
 from vllm_retrieval_spec.evaluation.replay import GreedyTrace  # noqa: E402
 from vllm_retrieval_spec.evaluation.traces import cached_traces  # noqa: E402
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
+from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration  # noqa: E402
 from vllm_retrieval_spec.goodput.cost_model import PRIORS  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
@@ -141,18 +145,19 @@ class SuffixDrafter:
         self.seconds = 0.0
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
-        drafts = []
-        for slot in slots:
-            context = slot.tokens[max(slot.context_length - SUFFIX_DEPTH, 0): slot.context_length]
-            start = time.perf_counter()
-            if slot.index not in self.cache.active_requests:
-                self.cache.start_request(slot.index, np.array(slot.trace.prompt_ids, np.int32))
-            self.cache.add_active_response(slot.index, slot.sampled)
-            draft = self.cache.speculate(slot.index, context, max_spec_tokens=SUFFIX_DEPTH,
-                                         max_spec_factor=1.0, min_token_prob=0.1)
-            self.seconds += time.perf_counter() - start
-            drafts.append(list(draft.token_ids))
-        return drafts
+        return [self.draft(slot) for slot in slots]
+
+    def draft(self, slot: Slot) -> list[int]:
+        """One request's draft, after adding what it sampled last step to its cache."""
+        context = slot.tokens[max(slot.context_length - SUFFIX_DEPTH, 0): slot.context_length]
+        start = time.perf_counter()
+        if slot.index not in self.cache.active_requests:
+            self.cache.start_request(slot.index, np.array(slot.trace.prompt_ids, np.int32))
+        self.cache.add_active_response(slot.index, slot.sampled)
+        draft = self.cache.speculate(slot.index, context, max_spec_tokens=SUFFIX_DEPTH,
+                                     max_spec_factor=1.0, min_token_prob=0.1)
+        self.seconds += time.perf_counter() - start
+        return list(draft.token_ids)
 
     def finish(self, slot: Slot) -> None:
         self.cache.stop_request(slot.index)
@@ -161,15 +166,18 @@ class SuffixDrafter:
 class RestDrafter:
     """``RestProposer``'s step with budget ``auto``: observe, skip, search, choose."""
 
-    def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float]) -> None:
+    def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float],
+                 prior_strength: float = AcceptanceCalibration.prior_strength) -> None:
         options = RetrievalSpecOptions()
         self.store, self.params = store, RestParams.from_options(options, chain_len=k)
         prior = (*cost, *PRIORS["cpu"][3:])
-        self.budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel(prior=prior))
+        self.budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel(prior=prior),
+                                    calibration=AcceptanceCalibration(prior_strength=prior_strength))
         self.output_index = OutputIndex(options.output_index_tokens, background=False)
         self.live = LiveIndex.from_options(options) if concurrency > 1 else None
         self.live_max_matches = options.live_max_matches
         self.seconds = 0.0
+        self.candidates: dict[int, list[int]] = {}  # the last step's candidate chain per searched row
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
         req_ids = [str(slot.index) for slot in slots]
@@ -197,6 +205,7 @@ class RestDrafter:
         found = rest_retrieve(self.store, tokens, lengths, rows, self.params, output_index=self.output_index.native,
                               live=live, chances=self.budget.chance_table())
         nodes = found.nodes(False)
+        self.candidates = {row: nodes.tokens[j, : nodes.size[j]].tolist() for j, row in enumerate(rows.tolist())}
         keep = self.budget.choose([req_ids[r] for r in rows], nodes, np.full(len(rows), self.params.chain_len),
                                   len(req_ids), time.perf_counter() - start)
         kept, _, sizes, _ = nodes.kept(keep)
@@ -206,10 +215,88 @@ class RestDrafter:
 
     def finish(self, slot: Slot) -> None:
         self.budget.observe([str(slot.index)], [slot.sampled])
-        self.budget.release([str(slot.index)])
         if self.live is not None:
             self.live.remove([str(slot.index)])
         self.output_index.add(slot.tokens)
+
+
+@dataclass
+class SameStates:
+    """REST against ``suffix`` at the same decoding states (REST's): tokens each would have
+    accepted per step, REST's both as its budget kept them and as its whole candidate chain, and
+    the tokens ``suffix`` is ahead by on the steps it is, by why REST fell short."""
+
+    steps: int = 0
+    rest_kept: int = 0
+    rest_candidates: int = 0
+    suffix: int = 0
+    rest_drafted: int = 0
+    suffix_drafted: int = 0
+    rest_ahead_steps: int = 0
+    rest_ahead_tokens: int = 0
+    suffix_ahead_steps: int = 0
+    behind_not_drafted: int = 0  # tokens: REST drafted nothing
+    behind_cut: int = 0  # its candidate chain held them, the budget cut it
+    behind_candidates: int = 0  # its candidate chain went wrong earlier
+
+    def add(self, kept: int, drafted: int, candidate: int, suffix: int, suffix_drafted: int) -> None:
+        """One step: tokens accepted from REST's kept draft (of ``drafted``), from its whole
+        candidate chain, and from ``suffix``'s draft (of ``suffix_drafted``)."""
+        self.steps += 1
+        self.rest_kept += kept
+        self.rest_candidates += candidate
+        self.suffix += suffix
+        self.rest_drafted += drafted
+        self.suffix_drafted += suffix_drafted
+        if kept > suffix:
+            self.rest_ahead_steps += 1
+            self.rest_ahead_tokens += kept - suffix
+        elif suffix > kept:
+            self.suffix_ahead_steps += 1
+            if not drafted:
+                self.behind_not_drafted += suffix - kept
+            elif candidate >= suffix:
+                self.behind_cut += suffix - kept
+            else:
+                self.behind_candidates += suffix - kept
+
+    def row(self) -> dict:
+        per_step = {name: getattr(self, name) / max(self.steps, 1)
+                    for name in ("rest_kept", "rest_candidates", "suffix", "rest_drafted", "suffix_drafted")}
+        return {**vars(self), **{f"{name}_per_step": value for name, value in per_step.items()}}
+
+
+def accepted_prefix(draft: list[int], expected: list[int]) -> int:
+    """How many of ``draft``'s tokens greedy verification accepts against the ``expected`` output."""
+    return next((i for i, (a, b) in enumerate(zip(draft, expected)) if a != b), min(len(draft), len(expected)))
+
+
+def same_states(traces: list[GreedyTrace], store, k: int, cost: tuple[float, float, float]) -> SameStates:
+    """Decode every trace alone with REST (budget ``auto``), asking ``suffix`` at each of REST's
+    steps what it would draft from the same state."""
+    rest, suffix, tally = RestDrafter(store, k, 1, cost), SuffixDrafter(), SameStates()
+    for index, trace in enumerate(traces):
+        slot = Slot(index, trace, sampled=trace.output_ids[:1])
+        while not slot.done:
+            kept = rest([slot])[0]
+            other = suffix.draft(slot)
+            expected = trace.output_ids[slot.position:]
+            tally.add(accepted_prefix(kept, expected), len(kept),
+                      accepted_prefix(rest.candidates.get(0, []), expected), accepted_prefix(other, expected),
+                      len(other))
+            slot.advance(kept)
+        rest.finish(slot)
+        suffix.finish(slot)
+    return tally
+
+
+def print_same_states(workload: str, tally: SameStates) -> None:
+    row = tally.row()
+    print(f"{workload:15s} {row['rest_kept_per_step']:10.2f} {row['rest_candidates_per_step']:11.2f} "
+          f"{row['suffix_per_step']:8.2f} {row['rest_drafted_per_step']:9.2f} {row['suffix_drafted_per_step']:9.2f} "
+          f"{tally.rest_ahead_steps:5d}/{tally.rest_ahead_tokens:<5d} {tally.suffix_ahead_steps:5d}/"
+          f"{tally.behind_not_drafted + tally.behind_cut + tally.behind_candidates:<5d} "
+          f"{tally.behind_not_drafted:6d} {tally.behind_cut:5d} {tally.behind_candidates:6d}")
 
 
 def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
@@ -231,8 +318,34 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], choices=sorted(COSTS))
     parser.add_argument("--k", type=int, default=32, help="REST's num_speculative_tokens")
+    parser.add_argument("--prior-strengths", type=float, nargs="+", default=[AcceptanceCalibration.prior_strength],
+                        help="REST once per calibration prior strength (pseudo-observations a sparse bucket "
+                             "borrows from its prior)")
+    parser.add_argument("--same-states", action="store_true",
+                        help="instead: REST against suffix at the same decoding states, one request at a time")
     parser.add_argument("--tag", default="")
     return parser.parse_args()
+
+
+def workload_tokens(workload: str) -> int:
+    """New tokens per request in the replay of ``workload``."""
+    return 128 if workload in ("code_edit", "multi_turn") else 64
+
+
+def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
+    """``--same-states``: the table and ``results/budget_replay_same_states[_<tag>].json``."""
+    print("REST (budget auto) against suffix at REST's decoding states, 1 in flight: accepted tokens per step")
+    print(f"{'workload':15s} {'REST kept':>10s} {'REST chain':>11s} {'suffix':>8s} {'REST drft':>9s} {'sfx drft':>9s} "
+          f"{'ahead':>11s} {'behind':>11s} {'undrafted':>6s} {'cut':>5s} {'wrong':>6s}")
+    report = []
+    for workload in args.workloads:
+        traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
+        tally = same_states(traces, store, args.k, COSTS[1])
+        print_same_states(workload, tally)
+        report.append({"workload": workload, **tally.row()})
+    out = RESULTS / f"budget_replay_same_states{'_' + args.tag if args.tag else ''}.json"
+    out.write_text(json.dumps({"prompts": args.prompts, "k": args.k, "results": report}, indent=2) + "\n")
+    print(f"written: {out}", file=sys.stderr)
 
 
 def main() -> None:
@@ -241,29 +354,33 @@ def main() -> None:
     model = ensure_smollm2_checkpoint()
     store, _ = open_datastore_for_model(RetrievalSpecOptions().datastore, model)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.same_states:
+        report_same_states(model, store, args)
+        return
     for concurrency in args.concurrency:
         cost, report = COSTS[concurrency], []
         print(f"\n{concurrency} in flight (simulated step: {cost[0] * 1000:.0f} ms + {cost[1] * 1000:.0f} ms/request "
               f"+ {cost[2] * 1000:.1f} ms/draft token + drafting)")
-        print(f"{'workload':15s} {'config':9s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
+        print(f"{'workload':15s} {'config':13s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
               f"{'draft ms':>9s} {'tok/s':>7s} {'x suffix':>9s}")
         for workload in args.workloads:
-            tokens = 128 if workload in ("code_edit", "multi_turn") else 64
-            traces = workload_traces(model, workload, args.prompts, tokens)
+            traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
             suffix = lock_step(traces, concurrency, cost, SuffixDrafter()).row("suffix")
-            rest = lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost)).row(
-                f"rest_k{args.k}")
-            for row in (suffix, rest):
+            rests = [lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost, strength)).row(
+                f"rest_k{args.k}" + (f"_s{strength:g}" if len(args.prior_strengths) > 1 else ""))
+                for strength in args.prior_strengths]
+            for row in (suffix, *rests):
                 row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]
                            / suffix["simulated_tokens_per_second"])
                 report.append(row)
-                print(f"{workload:15s} {row['config']:9s} {row['honest_tokens_per_step']:7.2f} "
+                print(f"{workload:15s} {row['config']:13s} {row['honest_tokens_per_step']:7.2f} "
                       f"{row['drafted_per_request_step']:8.2f} {row['accepted_per_request_step']:9.2f} "
                       f"{row['acceptance_rate']:7.1%} {row['drafting_ms_per_step']:9.2f} "
                       f"{row['simulated_tokens_per_second']:7.1f} {row['speedup_vs_suffix']:8.2f}x")
         out = RESULTS / f"budget_replay_c{concurrency}{'_' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps({"concurrency": concurrency, "cost_seconds": cost, "prompts": args.prompts,
-                                   "k": args.k, "results": report}, indent=2) + "\n")
+                                   "k": args.k, "prior_strengths": args.prior_strengths, "results": report},
+                                  indent=2) + "\n")
         print(f"written: {out}", file=sys.stderr)
 
 

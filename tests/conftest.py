@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 E2E_PROMPTS = 20
 BATCH1_PROMPTS = 10  # the first ones also run one at a time (batch 1 costs the most per token)
 E2E_MAX_TOKENS = 64
@@ -209,3 +213,16 @@ def small_ngram_table(k: int = 3, w: int = 4):
     top = np.array([[(t + i + 1) % 10 for i in range(k)] for t in range(10)], dtype=np.int32)
     probs = np.tile(np.array([0.5, 0.3, 0.2, 0.1, 0.05, 0.02][:k], np.float32), (10, 1))
     return SimpleNamespace(max_drafts=k, max_draft_len=w, extended=extend_bigram(top, w), bigram_probs=probs)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A module of ``benchmarks/`` (which imports its neighbours by name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+

@@ -5,10 +5,8 @@ HumanEval one) and within 2,048 SmolLM2 tokens; ``acceptance.py --dataset`` rend
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -16,22 +14,11 @@ import pytest
 from vllm_retrieval_spec.evaluation.load import jsonl_requests
 from vllm_retrieval_spec.evaluation.prompts import chat_prompts, humaneval_problems
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import BENCHMARKS, load_benchmark
+
 DATA = BENCHMARKS / "data"
 WORKLOADS = ("code_edit", "multi_turn", "doc_qa", "humaneval_chat")
 MAX_PROMPT_TOKENS = 2_048
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """A module of ``benchmarks/`` (which imports its neighbours by name)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
