@@ -78,6 +78,11 @@ class Tally:
                 "simulated_tokens_per_second": self.generated / max(self.seconds, 1e-9)}
 
 
+def accepted_prefix(draft: list[int], expected: list[int]) -> int:
+    """How many of ``draft``'s tokens greedy verification accepts against the ``expected`` output."""
+    return next((i for i, (a, b) in enumerate(zip(draft, expected)) if a != b), min(len(draft), len(expected)))
+
+
 @dataclass
 class Slot:
     """A request in flight: its trace, how far it got and what it sampled last step."""
@@ -98,7 +103,7 @@ class Slot:
     def advance(self, draft: list[int]) -> int:
         """Verify ``draft`` against the greedy output; returns the accepted count."""
         expected = self.trace.output_ids[self.position:]
-        accepted = next((i for i, (a, b) in enumerate(zip(draft, expected)) if a != b), min(len(draft), len(expected)))
+        accepted = accepted_prefix(draft, expected)
         self.sampled = expected[: accepted + 1]
         self.position += len(self.sampled)
         return accepted
@@ -266,11 +271,6 @@ class SameStates:
         return {**vars(self), **{f"{name}_per_step": value for name, value in per_step.items()}}
 
 
-def accepted_prefix(draft: list[int], expected: list[int]) -> int:
-    """How many of ``draft``'s tokens greedy verification accepts against the ``expected`` output."""
-    return next((i for i, (a, b) in enumerate(zip(draft, expected)) if a != b), min(len(draft), len(expected)))
-
-
 def same_states(traces: list[GreedyTrace], store, k: int, cost: tuple[float, float, float]) -> SameStates:
     """Decode every trace alone with REST (budget ``auto``), asking ``suffix`` at each of REST's
     steps what it would draft from the same state."""
@@ -291,12 +291,13 @@ def same_states(traces: list[GreedyTrace], store, k: int, cost: tuple[float, flo
 
 
 def print_same_states(workload: str, tally: SameStates) -> None:
+    """One workload's row of the ``--same-states`` table."""
     row = tally.row()
     print(f"{workload:15s} {row['rest_kept_per_step']:10.2f} {row['rest_candidates_per_step']:11.2f} "
           f"{row['suffix_per_step']:8.2f} {row['rest_drafted_per_step']:9.2f} {row['suffix_drafted_per_step']:9.2f} "
           f"{tally.rest_ahead_steps:5d}/{tally.rest_ahead_tokens:<5d} {tally.suffix_ahead_steps:5d}/"
           f"{tally.behind_not_drafted + tally.behind_cut + tally.behind_candidates:<5d} "
-          f"{tally.behind_not_drafted:6d} {tally.behind_cut:5d} {tally.behind_candidates:6d}")
+          f"{tally.behind_not_drafted:9d} {tally.behind_cut:5d} {tally.behind_candidates:6d}")
 
 
 def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
@@ -336,7 +337,7 @@ def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
     """``--same-states``: the table and ``results/budget_replay_same_states[_<tag>].json``."""
     print("REST (budget auto) against suffix at REST's decoding states, 1 in flight: accepted tokens per step")
     print(f"{'workload':15s} {'REST kept':>10s} {'REST chain':>11s} {'suffix':>8s} {'REST drft':>9s} {'sfx drft':>9s} "
-          f"{'ahead':>11s} {'behind':>11s} {'undrafted':>6s} {'cut':>5s} {'wrong':>6s}")
+          f"{'ahead':>11s} {'behind':>11s} {'undrafted':>9s} {'cut':>5s} {'wrong':>6s}")
     report = []
     for workload in args.workloads:
         traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
