@@ -111,7 +111,8 @@ def _suffix(k: int) -> dict:
             "requires": "arctic_inference"}
 
 
-def _ngram(k: int) -> dict:
+def ngram_config(k: int) -> dict:
+    """vLLM ``ngram`` drafting up to ``k`` tokens from 1- to 4-token matches of the context."""
     return {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
 
@@ -208,8 +209,8 @@ CONFIGS: dict[str, dict] = {
        for n in ANSWER_STORE_PROMPTS},
     # Hybrid with the largest captured store as its dense source (REST's default datastore and sources).
     "hybrid_answers_k32": _ours("HybridProposer", 32, dense_datastore=str(answers_store(2062, dense=True))),
-    "ngram_k4": _ngram(4),
-    "ngram_k8": _ngram(8),
+    "ngram_k4": ngram_config(4),
+    "ngram_k8": ngram_config(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
     # suffix at other caps (its default is 24): the best K of suffix for a row's comparison.
     **{f"suffix_k{k}": _suffix(k) for k in (8, 16, 32, 64)},

@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
+from vllm_retrieval_spec.drafts import DraftNodes  # noqa: E402
 from vllm_retrieval_spec.evaluation.replay import GreedyTrace  # noqa: E402
 from vllm_retrieval_spec.evaluation.traces import cached_traces  # noqa: E402
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
@@ -182,7 +183,7 @@ class RestDrafter:
         self.live = LiveIndex.from_options(options) if concurrency > 1 else None
         self.live_max_matches = options.live_max_matches
         self.seconds = 0.0
-        self.candidates: dict[int, list[int]] = {}  # the last step's candidate chain per searched row
+        self.last_search: tuple[np.ndarray, DraftNodes] | None = None  # searched rows and their candidates
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
         req_ids = [str(slot.index) for slot in slots]
@@ -203,6 +204,7 @@ class RestDrafter:
         self.budget.observe(req_ids, sampled)
         rows = np.flatnonzero(self.budget.worth_searching(len(req_ids), len(req_ids))).astype(np.int32)
         drafts = [[] for _ in req_ids]
+        self.last_search = None
         if not len(rows):
             return drafts
         live = None if self.live is None else self.live.lookup(
@@ -210,7 +212,7 @@ class RestDrafter:
         found = rest_retrieve(self.store, tokens, lengths, rows, self.params, output_index=self.output_index.native,
                               live=live, chances=self.budget.chance_table())
         nodes = found.nodes(False)
-        self.candidates = {row: nodes.tokens[j, : nodes.size[j]].tolist() for j, row in enumerate(rows.tolist())}
+        self.last_search = rows, nodes
         keep = self.budget.choose([req_ids[r] for r in rows], nodes, np.full(len(rows), self.params.chain_len),
                                   len(req_ids), time.perf_counter() - start)
         kept, _, sizes, _ = nodes.kept(keep)
@@ -271,6 +273,15 @@ class SameStates:
         return {**vars(self), **{f"{name}_per_step": value for name, value in per_step.items()}}
 
 
+def candidate_chain(drafter: RestDrafter, row: int) -> list[int]:
+    """The whole candidate chain REST's last search found for ``row`` (before the budget's cut)."""
+    if drafter.last_search is None:
+        return []
+    rows, nodes = drafter.last_search
+    found = np.flatnonzero(rows == row)
+    return nodes.tokens[found[0], : nodes.size[found[0]]].tolist() if len(found) else []
+
+
 def same_states(traces: list[GreedyTrace], store, k: int, cost: tuple[float, float, float]) -> SameStates:
     """Decode every trace alone with REST (budget ``auto``), asking ``suffix`` at each of REST's
     steps what it would draft from the same state."""
@@ -282,7 +293,7 @@ def same_states(traces: list[GreedyTrace], store, k: int, cost: tuple[float, flo
             other = suffix.draft(slot)
             expected = trace.output_ids[slot.position:]
             tally.add(accepted_prefix(kept, expected), len(kept),
-                      accepted_prefix(rest.candidates.get(0, []), expected), accepted_prefix(other, expected),
+                      accepted_prefix(candidate_chain(rest, 0), expected), accepted_prefix(other, expected),
                       len(other))
             slot.advance(kept)
         rest.finish(slot)

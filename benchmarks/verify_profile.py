@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from acceptance import RESULTS, dataset_prompts
+from acceptance import RESULTS, dataset_prompts, ngram_config
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, generate, shutdown_llm
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
@@ -31,18 +31,12 @@ from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 KERNELS = {"_C::onednn_mm": ("gemm", 1), "_C::cpu_attention_with_kv_cache": ("attention", 0)}
 
 
-def engine_config(k: int) -> dict | None:
-    """No speculation for ``k`` = 0, else vLLM ``ngram`` drafting up to ``k`` tokens."""
-    if k == 0:
-        return None
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-
-
 def kernel_totals(model: Path, k: int, prompts: list[str], max_tokens: int) -> dict[tuple[str, int], list[float]]:
     """``(kernel label, step tokens) -> [milliseconds, calls]`` over the prompts, one at a time."""
     from torch.profiler import ProfilerActivity, profile
 
-    llm = build_llm(EngineSpec(model, engine_config(k), max_num_seqs=1))
+    speculative = ngram_config(k)["speculative_config"] if k else None  # k = 0: no speculation
+    llm = build_llm(EngineSpec(model, speculative, max_num_seqs=1))
     try:
         generate(llm, prompts[:1], 8)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -86,6 +80,7 @@ def merged(reports: list[dict[int, dict]]) -> dict[int, dict]:
 
 
 def print_table(rows: dict[int, dict]) -> None:
+    """Milliseconds per step by step size, and per draft token against a step of one token."""
     base = rows.get(1)
     print(f"{'step tokens':>11s} {'steps':>6s} {'GEMM ms':>8s} {'attn ms':>8s} {'total ms':>9s} "
           f"{'ms per draft token':>19s} {'% of a 1-token step':>20s}")

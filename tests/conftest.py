@@ -225,4 +225,3 @@ def load_benchmark(name: str) -> ModuleType:
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
-
