@@ -26,15 +26,17 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
 )
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
 
+from scale import at_scale  # noqa: E402
+
 if TYPE_CHECKING:
     from vllm import LLM
 
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-E2E_PROMPTS = 20
-BATCH1_PROMPTS = 10  # the first ones also run one at a time (batch 1 costs the most per token)
-E2E_MAX_TOKENS = 64
+E2E_PROMPTS = at_scale(ci=12, full=20)
+BATCH1_PROMPTS = at_scale(ci=3, full=10)  # the first ones also run one at a time (batch 1 costs the most per token)
+E2E_MAX_TOKENS = at_scale(ci=48, full=64)
 CONCURRENT = 8
 
 

@@ -2,10 +2,11 @@
 
 For every way our sampler verifies drafts — chains and trees, deterministic candidates and
 candidates drawn from the drafter's own ``q`` (MCSS, with and without replacement), with and
-without top-p — the tokens emitted at drafted positions over 2,000 seeded requests are compared
-with those of the engine without speculation (two-sample chi-squared; fixed seeds, so they never
-flake). A deliberately wrong rule (accept every drawn candidate the target allows) must fail the
-same check: the test has the power to see a lossy rule.
+without top-p — the tokens emitted at drafted positions over 300 seeded requests (2,000 at
+``VRS_TEST_SCALE=full``) are compared with those of the engine without speculation (two-sample
+chi-squared; fixed seeds, so they never flake). A deliberately wrong rule (accept every drawn
+candidate the target allows) must fail the same check: the test has the power to see a lossy
+rule.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from distributions import engine_samples, two_sample_chi2_pvalue
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, spec_decode_counters
 
 from conftest import running_engine
+from scale import at_scale
 
 pytestmark = pytest.mark.engine
 
@@ -26,13 +28,13 @@ pytestmark = pytest.mark.engine
 COLOURS = "red, blue, green, red, blue, yellow, red, green, blue, red, yellow, green, blue, "
 PROMPT = "- " + COLOURS * 2 + "red, blue, green, red, blue, yellow,"
 BLOCK_SIZE = 32
-REQUESTS = 2000
+REQUESTS = at_scale(ci=300, full=2000)
 MAX_TOKENS = 4
 DRAFTED_POSITIONS = (1, 2, 3)  # position 0 comes from the prefill step, before any draft
 TEMPERATURE = 1.0
 P_FLOOR = 1e-4
 WRONG_RULE_P_CEILING = 1e-8
-WRONG_RULE_REQUESTS = 500  # enough: the wrong rule is far off (p < 1e-8 already at 200)
+WRONG_RULE_REQUESTS = at_scale(ci=300, full=500)  # enough: the wrong rule is far off (p < 1e-8 already at 200)
 K = 4
 # Drafts at every step (budget fixed: at temperature 1.0 the goodput budget would rightly stop
 # drafting here); context only, no output index: the drafts never depend on earlier requests.
@@ -104,7 +106,7 @@ def test_a_wrong_rule_is_caught(model_dir, reference, monkeypatch):
     assert min(drafted_positions_pvalues(reference[1.0][:WRONG_RULE_REQUESTS], tokens)) < WRONG_RULE_P_CEILING
 
 
-PENALTY_REQUESTS = 600
+PENALTY_REQUESTS = at_scale(ci=300, full=600)
 
 
 def test_penalties_keep_the_distribution_of_drawn_chains(model_dir):

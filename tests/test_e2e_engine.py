@@ -9,14 +9,22 @@ import pytest
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
 from vllm_retrieval_spec.evaluation.metrics import summarize
 
-from conftest import CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, generate_both_ways, running_engine
+from conftest import (
+    BATCH1_PROMPTS,
+    CONCURRENT,
+    E2E_MAX_TOKENS,
+    assert_same_token_ids,
+    generate_both_ways,
+    running_engine,
+)
+from scale import at_scale
 
 pytestmark = pytest.mark.engine
 
 K = 4
 TREE_NODES = 16
 DEEP_K = 32  # the README's recommended num_speculative_tokens
-DEEP_PROMPTS = 8
+DEEP_PROMPTS = at_scale(ci=6, full=8)
 
 
 def flush_finished_requests(llm) -> None:
@@ -160,14 +168,14 @@ def test_deep_drafts_are_lossless(mode, model_dir, code_store, e2e_prompts, base
     (the kernel ranks candidates by its calibrated chances) and 32-node trees with a fixed budget
     give exactly the greedy token ids of no speculation at batch 1 and 8 in flight."""
     options = {"datastore": str(code_store), **({"tree": True, "budget": "fixed"} if mode == "tree" else {})}
-    prompts = e2e_prompts[:DEEP_PROMPTS]
+    prompts = {"batch1": e2e_prompts[:min(BATCH1_PROMPTS, DEEP_PROMPTS)], "concurrent": e2e_prompts[:DEEP_PROMPTS]}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=DEEP_K)) as llm:
-        runs = {"batch1": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=1),
-                "concurrent": generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)}
+        runs = {"batch1": generate(llm, prompts["batch1"], E2E_MAX_TOKENS, concurrency=1),
+                "concurrent": generate(llm, prompts["concurrent"], E2E_MAX_TOKENS, concurrency=CONCURRENT)}
         drafter = drafter_of(llm)
     for name, run in runs.items():
         expected = baseline_runs[name]
-        assert_same_token_ids(dataclasses.replace(expected, records=expected.records[:DEEP_PROMPTS]), run)
+        assert_same_token_ids(dataclasses.replace(expected, records=expected.records[:len(prompts[name])]), run)
         assert run.counters.accepted_tokens > 0, name
     assert drafter.stats.failures == 0
     assert drafter.params.continuation_len == DEEP_K

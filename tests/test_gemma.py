@@ -18,11 +18,13 @@ from vllm_retrieval_spec.evaluation.engine import EngineSpec, GenerationRun, dra
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
 
 from conftest import assert_same_token_ids, build_stdlib_store, running_engine
+from scale import at_scale
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = 8
-MAX_TOKENS = 48
+BATCH1_PROMPTS = at_scale(ci=2, full=8)  # the first ones also run one at a time: one short, one long
+MAX_TOKENS = at_scale(ci=32, full=48)
 IN_FLIGHT = 8
 WINDOW = 512
 TREE_NODES = 16
@@ -53,10 +55,11 @@ def gemma_store(gemma_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def run_both_ways(spec: EngineSpec, prompts: list[str]) -> tuple[dict[str, GenerationRun], object]:
-    """Greedy generations at batch 1 and with IN_FLIGHT requests in flight, and the drafter."""
+    """Greedy generations at batch 1 (the first BATCH1_PROMPTS) and with IN_FLIGHT requests in
+    flight (all), and the drafter."""
     with running_engine(spec) as llm:
-        runs = {concurrency: generate(llm, prompts, MAX_TOKENS, concurrency=concurrency)
-                for concurrency in (1, IN_FLIGHT)}
+        runs = {1: generate(llm, prompts[:BATCH1_PROMPTS], MAX_TOKENS, concurrency=1),
+                IN_FLIGHT: generate(llm, prompts, MAX_TOKENS, concurrency=IN_FLIGHT)}
         llm.llm_engine.step()  # the runner hears of the requests that finished last
         return runs, drafter_of(llm)
 
@@ -84,7 +87,7 @@ def test_gemma_datastore_stores_uint32_tokens(gemma_store):
 
 
 def test_half_of_the_prompts_are_longer_than_the_window(gemma_baseline):
-    lengths = [len(record.prompt_ids) for record in gemma_baseline[1].records]
+    lengths = [len(record.prompt_ids) for record in gemma_baseline[IN_FLIGHT].records]
     assert sum(length > WINDOW for length in lengths) == PROMPTS // 2, lengths
 
 

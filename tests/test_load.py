@@ -41,6 +41,7 @@ from vllm_retrieval_spec.evaluation.load import (
 from vllm_retrieval_spec.evaluation.server import VllmServer, free_port, wait_until
 
 from conftest import build_stdlib_store, stdlib_inputs
+from scale import at_scale
 
 LOAD_TEST = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
 
@@ -299,15 +300,19 @@ def test_vllm_bench_serve_runs_through_our_cli(rest_server, model_dir):
     assert re.search(r"^Failed requests:\s+0\s*$", done.stdout, flags=re.M)
 
 
+CLIENTS_REQUESTS = at_scale(ci=96, full=200)
+
+
 @pytest.mark.server
 def test_64_clients_get_exactly_what_a_server_without_speculation_returns(rest_server, reference_server, tmp_path):
     out = tmp_path / "load64.json"
     subprocess.run([sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
-                    reference_server.base_url, "--concurrency", "64", "--num-requests", "200", "--max-tokens", "16",
-                    "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
+                    reference_server.base_url, "--concurrency", "64", "--num-requests", str(CLIENTS_REQUESTS),
+                    "--max-tokens", "16", "--dataset", "mixed", "--out", str(out)], check=True, timeout=1800)
     [row] = json.loads(out.read_text())["results"]
-    assert row["completed"] == 200 and row["errors"] == {}, (row["failed_requests"], rest_server.log_tail())
-    greedy = sum(request.is_greedy(0.0) for request in mixed_requests(200, 16))
+    assert row["completed"] == CLIENTS_REQUESTS and row["errors"] == {}, (row["failed_requests"],
+                                                                          rest_server.log_tail())
+    greedy = sum(request.is_greedy(0.0) for request in mixed_requests(CLIENTS_REQUESTS, 16))
     assert row["compare"]["compared"] == greedy and row["compare"]["differing"] == 0
 
 

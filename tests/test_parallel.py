@@ -7,6 +7,8 @@ without the first rank's clock the ranks draft differently (the control), with i
 exactly what the first rank alone would. The server tests compare greedy chat token ids with
 a server without speculation (with the same tensor-parallel size), and on tensor-parallel
 servers every rank logs what it drafts (``vrs_parallel_proposers``): the logs must be equal.
+The server tests run at ``VRS_TEST_SCALE=full`` (five servers of two to four engine processes:
+~10 minutes on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from vllm_retrieval_spec.goodput.ranks import RankZeroClock, SharedClock, tensor
 from vllm_retrieval_spec.integration.metrics import PREFIX
 from vllm_retrieval_spec.proposers.rest import RestProposer
 from vllm_retrieval_spec.verification.session import SpecSession
+
+from scale import full_scale_only
 
 # --- Ranks on different clocks ----------------------------------------------------------------
 
@@ -213,6 +217,7 @@ def reference(model_dir, messages) -> list[list[int]]:
 
 
 @pytest.mark.server
+@full_scale_only
 def test_data_parallel_engines_behind_two_api_servers_are_exact_and_export_our_metrics(
         model_dir, code_store, messages, reference):
     """``--data-parallel-size 2`` (two engine cores, two API servers): exact outputs, and both
@@ -244,6 +249,7 @@ def rank_logs(directory: Path) -> list[list[str]]:
 
 
 @pytest.mark.server
+@full_scale_only
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_tensor_parallel_ranks_draft_alike_and_stay_exact(model_dir, code_store, messages,
                                                          tensor_parallel_reference, tree, tmp_path):

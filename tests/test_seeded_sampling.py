@@ -9,14 +9,13 @@ tree mode, with a proposer that drafts nothing, alone or among 31 others, and be
 other requests filled the output index; and through the OpenAI server.
 
 CI runs the engine and server checks at a scale that fits its time (32 seeded requests, every
-eighth also alone, 20 filling the index; 12 through the server); ``VRS_SEEDED_SCALE=issue`` runs
+eighth also alone, 20 filling the index; 12 through the server); ``VRS_TEST_SCALE=full`` runs
 them at issue 23's: 200 seeded requests (50 per setting) among up to 31 others, every one of them
 also alone, before and after 500 other requests, in the engine and through the server.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, TreeBatch,
 from vllm_retrieval_spec.kernels.tree_reference import counter_bits, keyed_uniform, splitmix64, target_row_reference
 
 from conftest import running_engine
+from scale import at_scale
 
 TRIALS = 20000
 P_ROOT = 3.7 * np.array([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02, 0.0])
@@ -113,9 +113,8 @@ class SeededScale:
     server_per_setting: int
 
 
-SCALES = {"ci": SeededScale(per_setting=8, alone_every=8, filling=20, server_per_setting=3),
-          "issue": SeededScale(per_setting=50, alone_every=1, filling=500, server_per_setting=50)}
-SCALE = SCALES[os.environ.get("VRS_SEEDED_SCALE", "ci")]
+SCALE = at_scale(ci=SeededScale(per_setting=8, alone_every=8, filling=20, server_per_setting=3),
+                 full=SeededScale(per_setting=50, alone_every=1, filling=500, server_per_setting=50))
 CONCURRENT = 32  # each batched request runs among up to 31 others
 SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9),
             dict(temperature=1.0, top_k=50)]

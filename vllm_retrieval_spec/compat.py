@@ -60,16 +60,17 @@ def require_supported_vllm() -> str:
 
 
 def configure_vllm_environment(in_process: bool = True) -> None:
-    """Set (without overriding) the environment vLLM needs here, and for a server
-    (``in_process=False``) the metrics directory its processes share; call before importing vLLM."""
+    """Set (without overriding) the environment vLLM needs here, the CPU build's threads, and for a
+    server (``in_process=False``) the metrics directory its processes share; call before importing
+    vLLM."""
     for key, value in CPU_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         share_prometheus_metrics()
-        if is_cpu_build():
-            set_cpu_serving_threads()
+    if is_cpu_build():
+        set_cpu_threads(in_process)
 
 
 def is_cpu_build() -> bool:
@@ -83,12 +84,13 @@ def is_cpu_build() -> bool:
     return True
 
 
-def set_cpu_serving_threads() -> None:
-    """Torch threads (and engine cores) for a CPU server, unless the user chose them: every core
-    on small machines, else vLLM's reserved front-end core and the rest for the model (vLLM
-    itself runs its server's model on one torch thread)."""
+def set_cpu_threads(in_process: bool) -> None:
+    """OpenMP threads (and engine cores) for the CPU build's model, unless the user chose them:
+    every core in process (no front end to keep a core for) and for a server on a small machine,
+    else vLLM's reserved front-end core and the rest for the model. Without ``OMP_NUM_THREADS``
+    vLLM's server runs the model on one thread, and in process its steps take ~2x as long."""
     cores = len(os.sched_getaffinity(0))
-    reserved = 0 if cores <= ENGINE_TAKES_ALL_CORES_UP_TO else 1
+    reserved = 0 if in_process or cores <= ENGINE_TAKES_ALL_CORES_UP_TO else 1
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved))
     engine_cores = cores - int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, engine_cores)))
