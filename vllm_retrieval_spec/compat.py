@@ -88,7 +88,7 @@ def set_cpu_threads(in_process: bool) -> None:
     """OpenMP threads (and engine cores) for the CPU build's model, unless the user chose them:
     every core in process (no front end to keep a core for) and for a server on a small machine,
     else vLLM's reserved front-end core and the rest for the model. Without ``OMP_NUM_THREADS``
-    vLLM's server runs the model on one thread, and in process its steps take ~2x as long."""
+    vLLM's server runs the model on one thread, and in process no faster."""
     cores = len(os.sched_getaffinity(0))
     reserved = 0 if in_process or cores <= ENGINE_TAKES_ALL_CORES_UP_TO else 1
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved))
