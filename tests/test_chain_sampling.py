@@ -20,7 +20,7 @@ from distributions import engine_samples, two_sample_chi2_pvalue
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, spec_decode_counters
 
 from conftest import running_engine
-from scale import FULL, at_scale
+from scale import at_scale, full_scale_only
 
 pytestmark = pytest.mark.engine
 
@@ -46,6 +46,7 @@ CHAIN_CONFIGS = {
     "vllm-ngram": ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}, None),
     "vllm-suffix": ({"method": "suffix"}, None),
 }
+# vLLM's own methods at full scale only: prompt lookup checks the same patched sampler path in CI.
 VLLM_METHODS = {"vllm-ngram", "vllm-suffix"}
 SUFFIX_MISSING = importlib.util.find_spec("arctic_inference") is None
 # Suffix decoding drafts from the outputs of earlier requests too, so how many random draws a
@@ -90,10 +91,9 @@ def test_the_prompt_leaves_the_model_uncertain(reference_tokens):
     assert max(likely) >= 3, likely
 
 
-@pytest.mark.parametrize("name", CHAIN_CONFIGS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=full_scale_only) if name in VLLM_METHODS else name
+                                  for name in CHAIN_CONFIGS])
 def test_chain_speculation_samples_like_the_model(name, request, model_dir, reference_tokens):
-    if name in VLLM_METHODS and not FULL:
-        pytest.skip("vLLM's own methods run at VRS_TEST_SCALE=full (prompt lookup checks the same patched path)")
     if name == "vllm-suffix" and SUFFIX_MISSING:
         pytest.skip("vLLM's suffix method needs arctic-inference (scripts/install-comparators.sh)")
     speculative, options = CHAIN_CONFIGS[name]
