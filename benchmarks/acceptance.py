@@ -159,6 +159,8 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50, 100)},
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
+    # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 12).
+    "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},

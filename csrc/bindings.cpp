@@ -13,6 +13,7 @@
 #include "bindings.h"
 #include "context_ngram.h"
 #include "parallel.h"
+#include "skinny_gemm.h"
 #ifdef VRS_WITH_CUDA
 #include "context_ngram_cuda.h"
 #endif
@@ -89,6 +90,19 @@ std::vector<uint64_t> thread_pool_probe(int64_t n_items, int num_threads, int64_
   return ran_on;
 }
 
+// The skinny GEMM on tensors the caller checked (kernels/skinny_gemm.py): raw addresses, so that
+// a layer's call costs no DLPack exchange (~120 calls a model step).
+void skinny_gemm(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t rows, int64_t in_features,
+                 int64_t out_features) {
+  if (!x || !weight || !out) throw std::invalid_argument("skinny_gemm: x, weight and out must be non-null");
+  if (rows < 1 || in_features < 1 || out_features < 1)
+    throw std::invalid_argument("skinny_gemm: rows, in_features and out_features must be >= 1");
+  nb::gil_scoped_release release;
+  vrs::skinny_gemm_cpu({reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(weight),
+                        reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(out), rows, in_features,
+                        out_features});
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -104,6 +118,13 @@ NB_MODULE(_C, m) {
         "Diagnostics of the kernels' thread pool: runs n_items items (one work unit each, "
         "`grain` units worth a thread), each spinning busy_ns, item fail_at raising "
         "RuntimeError; returns the hash of the thread that ran each item.");
+  m.def("skinny_gemm", &skinny_gemm, nb::arg("x"), nb::arg("weight"), nb::arg("bias"), nb::arg("out"),
+        nb::arg("rows"), nb::arg("in_features"), nb::arg("out_features"),
+        "out = x @ weight.T (+ bias) for float32 CPU buffers given by address (bias 0: none): x [rows, "
+        "in_features], weight [out_features, in_features], out [rows, out_features], all contiguous. "
+        "Use vllm_retrieval_spec.kernels.skinny_gemm, which checks the tensors.");
+  m.def("skinny_gemm_threads", &vrs::skinny_gemm_threads,
+        "Threads skinny_gemm runs on: torch's OpenMP team once torch is loaded, else 1.");
   vrs_bind::bind_drafting(m);
   vrs_bind::bind_trees(m);
   vrs_bind::bind_live(m);

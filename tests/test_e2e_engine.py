@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of, generate, model_runner_of
 from vllm_retrieval_spec.evaluation.metrics import summarize
+from vllm_retrieval_spec.kernels.skinny_gemm import pays_on_this_cpu
 
 from conftest import (
     BATCH1_PROMPTS,
@@ -57,9 +58,23 @@ def test_prompt_lookup_is_lossless_and_accepts_tokens(model_dir, e2e_prompts, ba
     assert stats.draft_tokens >= sum(run.counters.draft_tokens for run in runs.values())
 
 
+def linear_kinds(llm) -> set[str]:
+    """The types of the model's CPU GEMMs (vLLM's oneDNN lambdas, or our SkinnyLinear)."""
+    return {type(module.cpu_linear).__name__ for module in model_runner_of(llm).model.modules()
+            if hasattr(module, "cpu_linear")}
+
+
 def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
+    """With the default options, so every layer of the float32 model runs the skinny GEMM on
+    steps of up to cpu_gemm_max_rows rows (x86 with AVX2)."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    vllm_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
     options = {"datastore": str(code_store)}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
+        if pays_on_this_cpu():
+            assert linear_kinds(llm) == {"SkinnyLinear"}
+        assert layer_utils.dispatch_cpu_unquantized_gemm is vllm_dispatch  # other engines keep vLLM's
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)
     for mode, run in runs.items():
@@ -116,11 +131,13 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
     prompts, expected = e2e_prompts[:6], baseline_runs["concurrent"]
     sessions = []
     for tree, budget in ((True, "fixed"), (False, "auto"), (True, "auto")):
-        options = {"datastore": str(code_store), "tree": tree, "budget": budget}
+        # the chain engine on vLLM's GEMM throughout (cpu_gemm_max_rows 0), the tree engines on the skinny one
+        options = {"datastore": str(code_store), "tree": tree, "budget": budget, "cpu_gemm_max_rows": 32 if tree else 0}
         with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
             run = generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)
             flush_finished_requests(llm)
             sessions.append(drafter_of(llm).session)
+            assert ("SkinnyLinear" in linear_kinds(llm)) == (tree and pays_on_this_cpu())
         assert [r.output_ids for r in run.records] == [r.output_ids for r in expected.records[:6]], f"tree={tree}"
     first, chain, last = sessions
     assert first is not last and first.tree_mode and last.tree_mode and not chain.tree_mode

@@ -253,6 +253,14 @@ class RetrievalSpecOptions:
         "(verification and its share of drafting time) with this fraction to spare",
     )
 
+    cpu_gemm_max_rows: int = _option(
+        32, _int_in(0, 256),
+        "CPU build, float32 models on x86: linear layers computing at most this many rows (a decode or verification "
+        "step) run the plugin's skinny GEMM, which reads each weight once, instead of oneDNN's (which a step with "
+        "drafts makes ~1.2-1.4x slower than a one-row step); keeps a float32 copy of the linear weights beside "
+        "oneDNN's packed one. 0: vLLM's GEMM everywhere",
+    )
+
     ngram_table: str = _option(
         "", _string, "N-Grammys: the model's n-gram table directory (empty: the cache default)"
     )

@@ -90,11 +90,15 @@ def shutdown_llm(llm: LLM) -> None:
     gc.collect()
 
 
+def model_runner_of(llm: LLM) -> Any:
+    """The model runner of an in-process engine (vLLM's ``GPUModelRunner`` or a subclass)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def drafter_of(llm: LLM) -> DraftProposer | None:
     """The proposer instance of an in-process engine running one of our proposers (``None``
     without speculation)."""
-    core = llm.llm_engine.engine_core.engine_core
-    return getattr(core.model_executor.driver_worker.worker.model_runner, "drafter", None)
+    return getattr(model_runner_of(llm), "drafter", None)
 
 
 def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:

@@ -97,6 +97,9 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     VllmSymbol(REJECTION, "expand_batch_to_tokens", params=("x", "cu_num_tokens", "num_tokens", "replace_from",
                                                            "replace_to"), platform="cpu"),
     VllmSymbol("vllm.triton_utils.dispatcher", "", MODULE, platform="cpu"),
+    # the skinny GEMM of verification steps: vLLM's CPU GEMM dispatch, wrapped while our runner loads
+    VllmSymbol("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", params=("layer", "remove_weight"),
+               platform="cpu"),
     # tree attention: every layer's backend forward, its KV cache metadata, the layer types
     *(VllmSymbol(module, f"{impl}.forward", params=_ATTENTION_FORWARD, platform=platform)
       for module, impl, _, platform in _ATTENTION_BACKENDS),

@@ -33,6 +33,7 @@ from vllm_retrieval_spec.integration.patch_surface import (
     supported_versions,
 )
 from vllm_retrieval_spec.kernels.attention import KVLayout
+from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, pays_on_this_cpu
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.proposers.registry import names_this_package
@@ -318,6 +319,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         _rewind_discarded_samples_by_state(runner)
     if session.tree_mode:
         _install_tree_attention(runner, session)
+    if runner.device.type == "cpu" and options.cpu_gemm_max_rows > 0:
+        _install_skinny_gemm(runner, options.cpu_gemm_max_rows)
     _install_sampler(runner, session, options.candidate_replacement)
     return session
 
@@ -443,6 +446,45 @@ def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: 
         return _prepare_inputs
 
     _hook(runner, "_prepare_inputs", plan_step)
+
+
+def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
+    """While this runner loads its model, vLLM's CPU GEMM dispatch also hands every float32 linear
+    layer of up to ``max_rows`` rows to the skinny GEMM (:mod:`~vllm_retrieval_spec.kernels.skinny_gemm`),
+    keeping the layer's weight, which the dispatch would drop, for it. Other engines of the process
+    keep vLLM's dispatch. Off where the kernel has no fused multiply-add (x86 below AVX2, other CPUs)."""
+    if not pays_on_this_cpu():
+        logger.info("retrieval_spec.cpu_gemm_max_rows: this CPU has no AVX2; vLLM's GEMM runs every layer")
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    kept_bytes = [0]
+
+    def skinny_dispatch(original: Callable) -> Callable:
+        def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
+            weight = layer.weight.detach()
+            original(layer, remove_weight, *args, **kwargs)
+            if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
+                layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows)
+                kept_bytes[0] += weight.numel() * weight.element_size() if remove_weight else 0
+
+        return dispatch_cpu_unquantized_gemm
+
+    def load_with_skinny_gemm(original: Callable) -> Callable:
+        def load_model(*args, **kwargs):
+            vllm_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+            layer_utils.dispatch_cpu_unquantized_gemm = functools.wraps(vllm_dispatch)(skinny_dispatch(vllm_dispatch))
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                layer_utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
+            logger.info("retrieval_spec.cpu_gemm_max_rows %d: steps of up to %d rows run the skinny GEMM (%.0f MiB "
+                        "of weights kept beside oneDNN's)", max_rows, max_rows, kept_bytes[0] / 2**20)
+            return result
+
+        return load_model
+
+    _hook(runner, "load_model", load_with_skinny_gemm)
 
 
 def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> None:

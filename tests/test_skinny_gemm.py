@@ -1,0 +1,75 @@
+"""The skinny GEMM of verification steps equals a float64 reference, and SkinnyLinear hands every
+call it cannot take to the layer's own GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_retrieval_spec import _C
+from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, skinny_gemm
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), in_features=st.integers(1, 300), out_features=st.integers(1, 700),
+       with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_kernel_equals_float64_reference(rows, in_features, out_features, with_bias, seed):
+    """Every shape (remainders of the 8-lane, 4-row and 3-row blocks, one thread or the team)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    got = skinny_gemm(x, weight, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # float32 sums of `in_features` products of unit normals: rounding grows with sqrt(in_features)
+    torch.testing.assert_close(got.double(), reference(x, weight, bias), rtol=0, atol=2e-6 * in_features**0.5 * 8)
+
+
+def test_kernel_runs_on_torchs_openmp_team():
+    assert _C.skinny_gemm_threads() == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("case, message", [
+    (lambda x, w, b: (x.double(), w, b), "x must be a contiguous float32"),
+    (lambda x, w, b: (x.T, w.T.contiguous(), b), "x must be a contiguous float32"),
+    (lambda x, w, b: (x, w[:, :5], b), "weight must be a contiguous float32"),
+    (lambda x, w, b: (x[:, :4].contiguous(), w, b), "must share a non-empty `in`"),
+    (lambda x, w, b: (x[:0], w, b), "must share a non-empty `in`"),
+    (lambda x, w, b: (x, w, b[:3]), r"bias must have shape \(16,\)"),
+])
+def test_bad_operands_are_refused(case, message):
+    x, weight, bias = torch.randn(3, 8), torch.randn(16, 8), torch.randn(16)
+    with pytest.raises(ValueError, match=message):
+        skinny_gemm(*case(x, weight, bias))
+
+
+def test_skinny_linear_takes_few_rows_and_hands_the_rest_back():
+    weight, bias = torch.randn(24, 10), torch.randn(24)
+    calls = []
+
+    def fallback(x, w, b):
+        calls.append(x.shape)
+        return x
+
+    linear = SkinnyLinear(weight, fallback, max_rows=4)
+    for x in (torch.randn(1, 10), torch.randn(4, 10)):
+        torch.testing.assert_close(linear(x, torch.empty(0), bias), torch.nn.functional.linear(x, weight, bias))
+    assert calls == []
+    for x in (torch.randn(5, 10), torch.randn(2, 3, 10), torch.randn(10, 3).T, torch.randn(2, 10).double()):
+        assert linear(x, torch.empty(0), None) is x
+    assert calls == [(5, 10), (2, 3, 10), (3, 10), (2, 10)]
+
+
+def test_skinny_linear_refuses_weights_it_cannot_read():
+    assert not SkinnyLinear.accepts(torch.randn(4, 4, dtype=torch.bfloat16))
+    assert not SkinnyLinear.accepts(torch.randn(4, 4).T)
+    assert not SkinnyLinear.accepts(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="contiguous 2-D float32"):
+        SkinnyLinear(torch.randn(3, 4, 4), torch.nn.functional.linear, 4)

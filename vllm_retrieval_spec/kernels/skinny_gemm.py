@@ -1,0 +1,81 @@
+"""The skinny float32 GEMM of verification steps on CPUs (``csrc/skinny_gemm.h``).
+
+A decode or verification step multiplies a few rows (one per request, plus its drafts) by every
+weight matrix of the model. vLLM's CPU build runs its linear layers through oneDNN with packed
+weights, whose cost jumps once a step has more than one row: on a 2-core x86 VM SmolLM2-135M's
+matmuls take ~47 ms at one row and ~57-65 ms at 3-8, which is what a first draft costs there. The
+kernel reads each weight matrix once per call in torch's ``[out_features, in_features]`` layout,
+on the OpenMP team torch runs on: 1.1-1.25x oneDNN's speed up to 12 rows, level with it from 16
+to 40 (both then bound by the multiply-adds), where :class:`SkinnyLinear` hands larger calls
+(prefills) back to oneDNN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_retrieval_spec.kernels.extension import load_extension
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def pays_on_this_cpu() -> bool:
+    """Whether this CPU runs the kernel's fused multiply-add build (x86 with AVX2 or AVX-512); on
+    others oneDNN's GEMM is the faster one."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by the kernel: float32 CPU tensors, ``x`` ``[rows, in]`` and ``weight``
+    ``[out, in]`` contiguous, ``bias`` ``[out]``."""
+    _require_operands(x, weight, bias)
+    return _run(x, weight, bias)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    load_extension().skinny_gemm(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0])
+    return out
+
+
+def _require_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Shapes, dtypes, devices and layouts the kernel reads by address (anything else is refused)."""
+    tensors = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"skinny_gemm: {name} must be a contiguous float32 CPU tensor, got "
+                             f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or 0 in (*x.shape, *weight.shape):
+        raise ValueError(f"skinny_gemm: x [rows, in] and weight [out, in] must share a non-empty `in`, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"skinny_gemm: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+class SkinnyLinear:
+    """A layer's ``cpu_linear`` (vLLM's CPU GEMM dispatch): calls of at most ``max_rows`` contiguous
+    2-D float32 rows run the kernel on ``weight`` (the layer's float32 weight, kept beside oneDNN's
+    packed copy); anything else goes to ``fallback``, the layer's own ``cpu_linear``."""
+
+    def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int) -> None:
+        if not self.accepts(weight):
+            raise ValueError(f"SkinnyLinear: the weight must be a contiguous 2-D float32 CPU tensor, got "
+                             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        self.weight = weight
+        self.fallback = fallback
+        self.max_rows = max_rows
+
+    @staticmethod
+    def accepts(weight: torch.Tensor) -> bool:
+        """Whether the kernel can read ``weight`` (a linear layer's, before vLLM packs it)."""
+        return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.is_contiguous() and weight.numel() > 0 and not weight.is_meta)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_contiguous()
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            return _run(x, self.weight, bias)
+        return self.fallback(x, weight, bias)
