@@ -8,12 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VRS_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define VRS_ISA_CLONES
-#endif
-#define VRS_INLINE inline __attribute__((always_inline))
+#include "isa_clones.h"
 
 namespace vrs {
 namespace {

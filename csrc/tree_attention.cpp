@@ -13,15 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "isa_clones.h"
 #include "parallel.h"
 #include "tree_attention.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VRS_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define VRS_ISA_CLONES
-#endif
-#define VRS_INLINE inline __attribute__((always_inline))
 
 namespace vrs {
 namespace {

@@ -43,6 +43,15 @@ def find_problems() -> list[str]:
     return problems
 
 
+def _cpu_gemm() -> str:
+    """What float32 CPU engines running our proposers verify their steps with (cpu_gemm_max_rows)."""
+    from vllm_retrieval_spec.kernels.skinny_gemm import pays_on_this_cpu
+
+    if pays_on_this_cpu():
+        return "skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has AVX2)"
+    return "vLLM's oneDNN GEMM only (the skinny GEMM needs AVX2)"
+
+
 def report() -> list[str]:
     """Print versions, extension backends and problems; return the problems."""
     from vllm_retrieval_spec import __version__
@@ -55,6 +64,7 @@ def report() -> list[str]:
 
         ext = load_extension()
         print(f"  extension      backends {ext.backends()}, CUDA devices {ext.cuda_device_count()}")
+        print(f"  CPU GEMM       {_cpu_gemm()}")
     except ImportError:
         pass
     problems = find_problems()
