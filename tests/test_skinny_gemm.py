@@ -62,9 +62,12 @@ def test_skinny_linear_takes_few_rows_and_hands_the_rest_back():
     for x in (torch.randn(1, 10), torch.randn(4, 10)):
         torch.testing.assert_close(linear(x, torch.empty(0), bias), torch.nn.functional.linear(x, weight, bias))
     assert calls == []
-    for x in (torch.randn(5, 10), torch.randn(2, 3, 10), torch.randn(10, 3).T, torch.randn(2, 10).double()):
+    for x in (torch.randn(5, 10), torch.randn(2, 3, 10), torch.randn(10, 3).T, torch.randn(2, 10).double(),
+              torch.randn(2, 9)):
         assert linear(x, torch.empty(0), None) is x
-    assert calls == [(5, 10), (2, 3, 10), (3, 10), (2, 10)]
+    x = torch.randn(2, 10)
+    assert linear(x, torch.empty(0), bias[:5]) is x  # a bias the kernel would read past
+    assert calls == [(5, 10), (2, 3, 10), (3, 10), (2, 10), (2, 9), (2, 10)]
 
 
 def test_skinny_linear_refuses_weights_it_cannot_read():

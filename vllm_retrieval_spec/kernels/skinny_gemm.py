@@ -75,7 +75,13 @@ class SkinnyLinear:
                 and weight.is_contiguous() and weight.numel() > 0 and not weight.is_meta)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_contiguous()
-                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
-            return _run(x, self.weight, bias)
-        return self.fallback(x, weight, bias)
+        return _run(x, self.weight, bias) if self._takes(x, bias) else self.fallback(x, weight, bias)
+
+    def _takes(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the kernel can read ``x`` and ``bias`` by address (what :func:`skinny_gemm` checks, as
+        cheaply as a layer's call allows) and ``x`` has at most ``max_rows`` rows."""
+        out_features, in_features = self.weight.shape
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.shape[1] == in_features
+                and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                      and bias.is_contiguous() and bias.numel() == out_features)))
