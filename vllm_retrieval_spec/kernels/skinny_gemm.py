@@ -5,9 +5,9 @@ weight matrix of the model. vLLM's CPU build runs its linear layers through oneD
 weights, whose cost jumps once a step has more than one row: on a 2-core x86 VM SmolLM2-135M's
 matmuls take ~47 ms at one row and ~57-65 ms at 3-8, which is what a first draft costs there. The
 kernel reads each weight matrix once per call in torch's ``[out_features, in_features]`` layout,
-on the OpenMP team torch runs on: 1.1-1.25x oneDNN's speed up to 12 rows, level with it from 16
-to 40 (both then bound by the multiply-adds), where :class:`SkinnyLinear` hands larger calls
-(prefills) back to oneDNN.
+on the OpenMP team torch runs on: 1.1-1.25x oneDNN's speed up to 12 rows, level to a little
+slower from 16 to 40 (both then bound by the multiply-adds; ``benchmarks/skinny_gemm.py``);
+:class:`SkinnyLinear` hands larger calls (prefills) back to oneDNN.
 """
 
 from __future__ import annotations

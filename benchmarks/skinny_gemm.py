@@ -1,0 +1,80 @@
+"""The skinny GEMM against vLLM's oneDNN GEMM on a loaded engine's layers: an in-process engine
+running ``RestProposer`` (so every float32 linear layer holds a ``SkinnyLinear``), then every layer
+of the model called with the same random input of each row count through the kernel and through
+the layer's own oneDNN GEMM, the two alternating ``--repeats`` times (best of them kept, so that the
+machine's drift falls on both alike). Rows are a step's tokens: 1 at batch 1 without drafts, 1 + k
+verifying k drafts, 8 + drafts at 8 in flight.
+
+    python benchmarks/skinny_gemm.py --rows 1 2 3 5 8 12 16 24 32 40
+
+Writes results/skinny_gemm[_<tag>].json and prints milliseconds per model step by row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from acceptance import RESULTS
+
+from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, model_runner_of, shutdown_llm
+from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
+
+
+def layer_times(linears: list, rows: int, repeats: int) -> dict[str, float]:
+    """Best milliseconds of one pass over ``linears`` (``SkinnyLinear``s) with ``rows`` rows, through
+    the kernel and through each layer's own GEMM, alternating."""
+    import torch
+
+    inputs = [torch.randn(rows, linear.weight.shape[1]) for linear in linears]
+    best = {"skinny": float("inf"), "onednn": float("inf")}
+    for _ in range(repeats):
+        for name in best:
+            start = time.perf_counter()
+            for linear, x in zip(linears, inputs):
+                (linear if name == "skinny" else linear.fallback)(x, None, None)
+            best[name] = min(best[name], (time.perf_counter() - start) * 1000)
+    return best
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8, 12, 16, 24, 32, 40])
+    parser.add_argument("--repeats", type=int, default=7, help="passes per GEMM and row count (best kept)")
+    parser.add_argument("--tag", default="")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear
+
+    speculative = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}
+    llm = build_llm(EngineSpec(ensure_smollm2_checkpoint(), speculative, max_num_seqs=1))
+    try:
+        linears = [module.cpu_linear for module in model_runner_of(llm).model.modules()
+                   if isinstance(getattr(module, "cpu_linear", None), SkinnyLinear)]
+        if not linears:
+            raise SystemExit("skinny_gemm: the engine's layers do not run the skinny GEMM on this CPU (it needs "
+                             "x86 with AVX2 and a float32 model); nothing to compare")
+        table = {rows: layer_times(linears, rows, args.repeats) for rows in args.rows}
+    finally:
+        shutdown_llm(llm)
+    print(f"{len(linears)} layers; milliseconds per pass over all of them (best of {args.repeats})")
+    print(f"{'rows':>5} {'skinny':>8} {'oneDNN':>8} {'ratio':>6}")
+    for rows, times in table.items():
+        print(f"{rows:>5} {times['skinny']:>8.1f} {times['onednn']:>8.1f} {times['onednn'] / times['skinny']:>6.2f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"skinny_gemm{'_' + args.tag if args.tag else ''}.json"
+    out.write_text(json.dumps({
+        "model": "SmolLM2-135M-Instruct (float32)", "machine": platform.machine(), "layers": len(linears),
+        "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "milliseconds_per_pass": {str(rows): times for rows, times in table.items()},
+    }, indent=2) + "\n")
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
