@@ -27,7 +27,7 @@ VRS_INLINE Lanes load(const float* p) {
   return v;
 }
 
-// y[c, n + r] for r < R, c < C: R weight rows from w, C rows of x (stride ldx), y stride ldy.
+// y[m + c, n + r] for r < R, c < C: weight rows n.. and input rows m.., rows contiguous.
 template <int R, int C>
 VRS_INLINE void tile(const SkinnyGemmArgs& a, int64_t n, int64_t m) {
   const int64_t K = a.in_features;

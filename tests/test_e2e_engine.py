@@ -132,7 +132,8 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
     sessions = []
     for tree, budget in ((True, "fixed"), (False, "auto"), (True, "auto")):
         # the chain engine on vLLM's GEMM throughout (cpu_gemm_max_rows 0), the tree engines on the skinny one
-        options = {"datastore": str(code_store), "tree": tree, "budget": budget, "cpu_gemm_max_rows": 32 if tree else 0}
+        options = {"datastore": str(code_store), "tree": tree, "budget": budget,
+                   **({} if tree else {"cpu_gemm_max_rows": 0})}
         with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
             run = generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)
             flush_finished_requests(llm)

@@ -458,15 +458,17 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
         return
     import vllm.model_executor.layers.utils as layer_utils
 
-    kept_bytes = [0]
+    layers, kept_bytes = 0, 0
 
     def skinny_dispatch(original: Callable) -> Callable:
         def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
+            nonlocal layers, kept_bytes
             weight = layer.weight.detach()
             original(layer, remove_weight, *args, **kwargs)
             if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
                 layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows)
-                kept_bytes[0] += weight.numel() * weight.element_size() if remove_weight else 0
+                layers += 1
+                kept_bytes += weight.numel() * weight.element_size() if remove_weight else 0
 
         return dispatch_cpu_unquantized_gemm
 
@@ -478,8 +480,12 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
                 result = original(*args, **kwargs)
             finally:
                 layer_utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
-            logger.info("retrieval_spec.cpu_gemm_max_rows %d: steps of up to %d rows run the skinny GEMM (%.0f MiB "
-                        "of weights kept beside oneDNN's)", max_rows, max_rows, kept_bytes[0] / 2**20)
+            if layers:
+                logger.info("retrieval_spec.cpu_gemm_max_rows %d: %d layers run the skinny GEMM on steps of up to %d "
+                            "rows (%.0f MiB of weights kept beside oneDNN's)", max_rows, layers, max_rows,
+                            kept_bytes / 2**20)
+            else:
+                logger.info("retrieval_spec.cpu_gemm_max_rows: no float32 linear layer; vLLM's GEMM runs every layer")
             return result
 
         return load_model

@@ -31,13 +31,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``x @ weight.T (+ bias)`` by the kernel: float32 CPU tensors, ``x`` ``[rows, in]`` and ``weight``
     ``[out, in]`` contiguous, ``bias`` ``[out]``."""
     _require_operands(x, weight, bias)
-    return _run(x, weight, bias)
+    return _run(load_extension().skinny_gemm, x, weight, bias)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _run(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``kernel`` (the extension's ``skinny_gemm``) on operands already checked."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    load_extension().skinny_gemm(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                 out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0])
+    kernel(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+           x.shape[1], weight.shape[0])
     return out
 
 
@@ -67,21 +68,22 @@ class SkinnyLinear:
         self.weight = weight
         self.fallback = fallback
         self.max_rows = max_rows
+        self.out_features, self.in_features = weight.shape
+        self._kernel = load_extension().skinny_gemm  # looked up once: ~120 calls a model step
 
     @staticmethod
     def accepts(weight: torch.Tensor) -> bool:
         """Whether the kernel can read ``weight`` (a linear layer's, before vLLM packs it)."""
         return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-                and weight.is_contiguous() and weight.numel() > 0 and not weight.is_meta)
+                and weight.is_contiguous() and weight.numel() > 0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _run(x, self.weight, bias) if self._takes(x, bias) else self.fallback(x, weight, bias)
+        return _run(self._kernel, x, self.weight, bias) if self._takes(x, bias) else self.fallback(x, weight, bias)
 
     def _takes(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the kernel can read ``x`` and ``bias`` by address (what :func:`skinny_gemm` checks, as
         cheaply as a layer's call allows) and ``x`` has at most ``max_rows`` rows."""
-        out_features, in_features = self.weight.shape
-        return (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.shape[1] == in_features
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.shape[1] == self.in_features
                 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                 and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
-                                      and bias.is_contiguous() and bias.numel() == out_features)))
+                                      and bias.is_contiguous() and bias.numel() == self.out_features)))
