@@ -28,7 +28,7 @@ def layer_times(linears: list, rows: int, repeats: int) -> dict[str, float]:
     the kernel and through each layer's own GEMM, alternating."""
     import torch
 
-    inputs = [torch.randn(rows, linear.weight.shape[1]) for linear in linears]
+    inputs = [torch.randn(rows, linear.in_features) for linear in linears]
     best = {"skinny": float("inf"), "onednn": float("inf")}
     for _ in range(repeats):
         for name in best:

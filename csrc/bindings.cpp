@@ -90,7 +90,7 @@ std::vector<uint64_t> thread_pool_probe(int64_t n_items, int num_threads, int64_
   return ran_on;
 }
 
-// The skinny GEMM on tensors the caller checked (kernels/skinny_gemm.py): raw addresses, so that
+// The skinny GEMM on tensors the caller packed and checked (kernels/skinny_gemm.py): raw addresses, so that
 // a layer's call costs no DLPack exchange (~120 calls a model step).
 void skinny_gemm(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t rows, int64_t in_features,
                  int64_t out_features) {
@@ -121,8 +121,10 @@ NB_MODULE(_C, m) {
   m.def("skinny_gemm", &skinny_gemm, nb::arg("x"), nb::arg("weight"), nb::arg("bias"), nb::arg("out"),
         nb::arg("rows"), nb::arg("in_features"), nb::arg("out_features"),
         "out = x @ weight.T (+ bias) for float32 CPU buffers given by address (bias 0: none): x [rows, "
-        "in_features], weight [out_features, in_features], out [rows, out_features], all contiguous. "
-        "Use vllm_retrieval_spec.kernels.skinny_gemm, which checks the tensors.");
+        "in_features], weight packed [ceil(out_features / SKINNY_GEMM_PANEL), in_features, SKINNY_GEMM_PANEL], "
+        "out [rows, out_features], all contiguous. Use vllm_retrieval_spec.kernels.skinny_gemm, which packs "
+        "and checks the tensors.");
+  m.attr("SKINNY_GEMM_PANEL") = vrs::kSkinnyGemmPanel;
   m.def("skinny_gemm_threads", &vrs::skinny_gemm_threads,
         "Threads skinny_gemm runs on: torch's OpenMP team once torch is loaded, else 1.");
   vrs_bind::bind_drafting(m);

@@ -14,10 +14,9 @@ namespace vrs {
 namespace {
 
 constexpr int kLanes = 8;
-constexpr int kWeightRows = 4;  // weight rows of a tile, read from memory once per call
-constexpr int kInputRows = 3;   // rows of x per pass over a tile: 12 accumulators + 4 + 1 registers
-// Output columns worth one more thread (smaller layers run on the calling thread alone).
-constexpr int64_t kColumnsPerThread = 64;
+constexpr int kRowBlock = 6;  // rows of x per block: 12 accumulators + 2 weight vectors + 1 broadcast
+// Panels worth one more thread (smaller layers run on the calling thread alone).
+constexpr int64_t kPanelsPerThread = 4;
 
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -27,46 +26,63 @@ VRS_INLINE Lanes load(const float* p) {
   return v;
 }
 
-// y[m + c, n + r] for r < R, c < C: weight rows n.. and input rows m.., rows contiguous.
-template <int R, int C>
-VRS_INLINE void tile(const SkinnyGemmArgs& a, int64_t n, int64_t m) {
+VRS_INLINE void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+// One float in every lane (a single broadcast load; `Lanes{} + s` costs an add more).
+VRS_INLINE Lanes splat(float s) {
+  const Lanes v = {s};
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// y[m + r, panel's columns] for r < M.
+template <int M>
+VRS_INLINE void block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
   const int64_t K = a.in_features;
-  const float* w = a.w + n * K;
+  const float* w = a.w + panel * K * kSkinnyGemmPanel;
   const float* x = a.x + m * K;
-  Lanes acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Lanes{};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    Lanes wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load(w + r * K + k);
-    for (int c = 0; c < C; ++c) {
-      const Lanes xv = load(x + c * K + k);
-      for (int r = 0; r < R; ++r) acc[r][c] += wv[r] * xv;
+  Lanes acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = Lanes{};
+  for (int64_t k = 0; k < K; ++k) {
+    const Lanes w0 = load(w + k * kSkinnyGemmPanel), w1 = load(w + k * kSkinnyGemmPanel + kLanes);
+    for (int r = 0; r < M; ++r) {
+      const Lanes xv = splat(x[r * K + k]);
+      acc[r][0] += w0 * xv;
+      acc[r][1] += w1 * xv;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float sum = 0.0f;
-      for (int lane = 0; lane < kLanes; ++lane) sum += acc[r][c][lane];
-      for (int64_t j = k; j < K; ++j) sum += w[r * K + j] * x[c * K + j];
-      a.y[(m + c) * a.out_features + n + r] = sum + (a.bias ? a.bias[n + r] : 0.0f);
+  const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
+  float* y = a.y + m * a.out_features + n;
+  for (int r = 0; r < M; ++r, y += a.out_features) {
+    float sums[kSkinnyGemmPanel];
+    store(sums, acc[r][0]);
+    store(sums + kLanes, acc[r][1]);
+    for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
+  }
+}
+
+template <int M>
+VRS_INLINE void blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t count) {
+  for (int64_t i = 0; i < count; ++i, m += M) block<M>(a, panel, m);
+}
+
+// Panels [begin, end) for every row; the rows split into blocks of at most kRowBlock, as even as
+// they go (8 rows: 4 + 4, not 6 + 2, a block of few rows being bound by its loads).
+VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
+  const int64_t count = (a.rows + kRowBlock - 1) / kRowBlock, size = a.rows / count, larger = a.rows % count;
+  for (int64_t panel = begin; panel < end; ++panel) {
+    int64_t m = 0;
+    for (int64_t rows = size + (larger > 0); rows >= size; --rows) {
+      const int64_t n = rows > size ? larger : count - larger;
+      switch (rows) {
+        case 6: blocks<6>(a, panel, m, n); break;
+        case 5: blocks<5>(a, panel, m, n); break;
+        case 4: blocks<4>(a, panel, m, n); break;
+        case 3: blocks<3>(a, panel, m, n); break;
+        case 2: blocks<2>(a, panel, m, n); break;
+        default: blocks<1>(a, panel, m, n); break;
+      }
     }
-}
-
-template <int R>
-VRS_INLINE void column_block(const SkinnyGemmArgs& a, int64_t n) {
-  int64_t m = 0;
-  for (; m + kInputRows <= a.rows; m += kInputRows) tile<R, kInputRows>(a, n, m);
-  if (a.rows - m == 2) tile<R, 2>(a, n, m);
-  if (a.rows - m == 1) tile<R, 1>(a, n, m);
-}
-
-// Output columns [begin, end) of every row.
-VRS_ISA_CLONES void columns(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
-  int64_t n = begin;
-  for (; n + kWeightRows <= end; n += kWeightRows) column_block<kWeightRows>(a, n);
-  for (; n < end; ++n) column_block<1>(a, n);
+  }
 }
 
 // torch's OpenMP runtime (libgomp), looked up among the libraries already loaded.
@@ -92,17 +108,15 @@ struct OpenMpTeam {
 
 struct TeamTask {
   const SkinnyGemmArgs* args;
-  int64_t blocks;  // column blocks of kWeightRows; the last thread also takes the remainder
+  int64_t panels;
 };
 
-// One team member's share of the column blocks.
+// One team member's share of the panels.
 void run_share(void* context) {
   const auto& task = *static_cast<const TeamTask*>(context);
   const OpenMpTeam& team = OpenMpTeam::get();
   const int64_t threads = team.num_threads(), me = team.thread_num();
-  const int64_t begin = task.blocks * me / threads * kWeightRows;
-  const int64_t end = me + 1 == threads ? task.args->out_features : task.blocks * (me + 1) / threads * kWeightRows;
-  columns(*task.args, begin, end);
+  panels(*task.args, task.panels * me / threads, task.panels * (me + 1) / threads);
 }
 
 }  // namespace
@@ -114,12 +128,13 @@ int skinny_gemm_threads() {
 
 void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
   const OpenMpTeam& team = OpenMpTeam::get();
-  const int64_t threads = std::min<int64_t>(skinny_gemm_threads(), args.out_features / kColumnsPerThread);
+  const int64_t count = (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel;
+  const int64_t threads = std::min<int64_t>(skinny_gemm_threads(), count / kPanelsPerThread);
   if (threads <= 1) {
-    columns(args, 0, args.out_features);
+    panels(args, 0, count);
     return;
   }
-  TeamTask task{&args, args.out_features / kWeightRows};
+  TeamTask task{&args, count};
   team.parallel(&run_share, &task, static_cast<unsigned>(threads), 0);
 }
 

@@ -1,19 +1,24 @@
 // Skinny fp32 GEMM for verification steps on CPUs: y[M,N] = x[M,K] · w[N,K]ᵀ (+ bias) for the
-// few rows a decode or verification step computes (M up to a few dozen), reading the weights in
-// torch's [out_features, in_features] layout once per call. oneDNN's packed GEMM leaves its
-// one-row path at M = 2 and costs ~1.6x a one-row step from M = 5 on a 2-core x86 VM; this one
-// streams each block of 4 weight rows from memory once and reuses it from L1 for every 3 rows of
-// x. Threads: the OpenMP team torch runs on (found in the process at first use), so no second
-// pool competes with torch's for the cores; without one, the calling thread alone.
+// few rows a decode or verification step computes (M up to a few dozen). The weights are packed
+// once (when the model loads) into panels of kSkinnyGemmPanel output columns, each panel's K rows
+// of 16 floats contiguous: a register-blocked kernel (up to 6 rows of x × 16 columns, 12 vector
+// accumulators) reads a panel from memory once per call and from cache for every further block of
+// rows, broadcasting x, with no horizontal sums. Each output is summed over k in order, whatever
+// M is and however the rows are blocked, so a row's result does not depend on the rows beside it.
+// Threads: the OpenMP team torch runs on (found in the process at first use), so no second pool
+// competes with torch's for the cores; without one, the calling thread alone.
 #pragma once
 
 #include <cstdint>
 
 namespace vrs {
 
+// Output columns of a packed panel; out_features is padded to a whole number of panels.
+constexpr int64_t kSkinnyGemmPanel = 16;
+
 struct SkinnyGemmArgs {
   const float* x;     // [rows, in_features], rows contiguous
-  const float* w;     // [out_features, in_features]
+  const float* w;     // packed: [ceil(out_features / 16), in_features, 16], padding columns zero
   const float* bias;  // [out_features] or nullptr
   float* y;           // [rows, out_features]
   int64_t rows;

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_retrieval_spec import _C
-from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, skinny_gemm
+from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, pack_weight, skinny_gemm
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -21,7 +21,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 @given(rows=st.integers(1, 40), in_features=st.integers(1, 300), out_features=st.integers(1, 700),
        with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_kernel_equals_float64_reference(rows, in_features, out_features, with_bias, seed):
-    """Every shape (remainders of the 8-lane, 4-row and 3-row blocks, one thread or the team)."""
+    """Every shape (partial panels, every split of the rows into blocks, one thread or the team)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -30,6 +30,28 @@ def test_kernel_equals_float64_reference(rows, in_features, out_features, with_b
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # float32 sums of `in_features` products of unit normals: rounding grows with sqrt(in_features)
     torch.testing.assert_close(got.double(), reference(x, weight, bias), rtol=0, atol=2e-6 * in_features**0.5 * 8)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(2, 40), out_features=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, out_features, seed):
+    """Bit for bit: every output is summed over k in order, however the rows are blocked."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 96, generator=generator)
+    weight, bias = torch.randn(out_features, 96, generator=generator), torch.randn(out_features, generator=generator)
+    together = skinny_gemm(x, weight, bias)
+    for row in (0, rows // 2, rows - 1):
+        assert torch.equal(skinny_gemm(x[row:row + 1].clone(), weight, bias)[0], together[row])
+
+
+def test_packed_layout_is_panels_of_output_columns():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    packed = pack_weight(weight)
+    panel = _C.SKINNY_GEMM_PANEL
+    assert packed.shape == (-(-20 // panel), 3, panel) and packed.is_contiguous()
+    for n in range(20):
+        assert torch.equal(packed[n // panel, :, n % panel], weight[n])
+    assert not packed[-1, :, 20 % panel:].any()  # the last panel's missing columns are zero
 
 
 def test_kernel_runs_on_torchs_openmp_team():

@@ -451,24 +451,24 @@ def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: 
 def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
     """While this runner loads its model, vLLM's CPU GEMM dispatch also hands every float32 linear
     layer of up to ``max_rows`` rows to the skinny GEMM (:mod:`~vllm_retrieval_spec.kernels.skinny_gemm`),
-    keeping the layer's weight, which the dispatch would drop, for it. Other engines of the process
+    which packs the layer's weight for itself before the dispatch drops it. Other engines of the process
     keep vLLM's dispatch. Off where the kernel has no fused multiply-add (x86 below AVX2, other CPUs)."""
     if not pays_on_this_cpu():
         logger.info("retrieval_spec.cpu_gemm_max_rows: this CPU has no AVX2; vLLM's GEMM runs every layer")
         return
     import vllm.model_executor.layers.utils as layer_utils
 
-    layers, kept_bytes = 0, 0
+    layers, packed_bytes = 0, 0
 
     def skinny_dispatch(original: Callable) -> Callable:
         def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
-            nonlocal layers, kept_bytes
+            nonlocal layers, packed_bytes
             weight = layer.weight.detach()
             original(layer, remove_weight, *args, **kwargs)
             if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
                 layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows)
                 layers += 1
-                kept_bytes += weight.numel() * weight.element_size() if remove_weight else 0
+                packed_bytes += layer.cpu_linear.packed.nbytes
 
         return dispatch_cpu_unquantized_gemm
 
@@ -482,8 +482,8 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
                 layer_utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
             if layers:
                 logger.info("retrieval_spec.cpu_gemm_max_rows %d: %d layers run the skinny GEMM on steps of up to %d "
-                            "rows (%.0f MiB of weights kept beside oneDNN's)", max_rows, layers, max_rows,
-                            kept_bytes / 2**20)
+                            "rows (%.0f MiB of weights packed for it beside oneDNN's)", max_rows, layers, max_rows,
+                            packed_bytes / 2**20)
             else:
                 logger.info("retrieval_spec.cpu_gemm_max_rows: no float32 linear layer; vLLM's GEMM runs every layer")
             return result

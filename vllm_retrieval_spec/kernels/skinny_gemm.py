@@ -2,12 +2,12 @@
 
 A decode or verification step multiplies a few rows (one per request, plus its drafts) by every
 weight matrix of the model. vLLM's CPU build runs its linear layers through oneDNN with packed
-weights, whose cost jumps once a step has more than one row: on a 2-core x86 VM SmolLM2-135M's
-matmuls take ~47 ms at one row and ~57-65 ms at 3-8, which is what a first draft costs there. The
-kernel reads each weight matrix once per call in torch's ``[out_features, in_features]`` layout,
-on the OpenMP team torch runs on: 1.1-1.25x oneDNN's speed up to 12 rows, level to a little
-slower from 16 to 40 (both then bound by the multiply-adds; ``benchmarks/skinny_gemm.py``);
-:class:`SkinnyLinear` hands larger calls (prefills) back to oneDNN.
+weights, whose cost jumps once a step has more than one row and which reaches ~40% of this 2-core
+VM's multiply-add rate at 24-32 rows. The kernel keeps each weight packed in panels of 16 output
+columns (:func:`pack_weight`, once when the model loads) and computes blocks of up to 6 rows × 16
+columns in registers, on the OpenMP team torch runs on: ~1.1x oneDNN at one row (both read the
+weights once), ~1.5-2x from 8 to 40 rows (``benchmarks/skinny_gemm.py``). :class:`SkinnyLinear`
+hands larger calls (prefills) back to oneDNN.
 """
 
 from __future__ import annotations
@@ -29,16 +29,26 @@ def pays_on_this_cpu() -> bool:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by the kernel: float32 CPU tensors, ``x`` ``[rows, in]`` and ``weight``
-    ``[out, in]`` contiguous, ``bias`` ``[out]``."""
+    ``[out, in]`` contiguous, ``bias`` ``[out]`` (``weight`` is packed for the call; a layer packs once)."""
     _require_operands(x, weight, bias)
-    return _run(load_extension().skinny_gemm, x, weight, bias)
+    return _run(load_extension().skinny_gemm, x, pack_weight(weight), weight.shape[0], bias)
 
 
-def _run(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``kernel`` (the extension's ``skinny_gemm``) on operands already checked."""
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    kernel(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-           x.shape[1], weight.shape[0])
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` in the kernel's layout: panels of ``SKINNY_GEMM_PANEL`` output columns,
+    ``[ceil(out / panel), in, panel]``, the last panel's missing columns zero."""
+    panel = load_extension().SKINNY_GEMM_PANEL
+    out_features, in_features = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -out_features % panel))
+    return padded.view(-1, panel, in_features).transpose(1, 2).contiguous()
+
+
+def _run(kernel: Callable, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """``kernel`` (the extension's ``skinny_gemm``) on operands already packed and checked."""
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    kernel(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+           x.shape[1], out_features)
     return out
 
 
@@ -58,14 +68,15 @@ def _require_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 class SkinnyLinear:
     """A layer's ``cpu_linear`` (vLLM's CPU GEMM dispatch): calls of at most ``max_rows`` contiguous
-    2-D float32 rows run the kernel on ``weight`` (the layer's float32 weight, kept beside oneDNN's
-    packed copy); anything else goes to ``fallback``, the layer's own ``cpu_linear``."""
+    2-D float32 rows run the kernel on ``weight`` (the layer's float32 weight, packed once into
+    :attr:`packed` beside oneDNN's own copy); anything else goes to ``fallback``, the layer's own
+    ``cpu_linear``."""
 
     def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int) -> None:
         if not self.accepts(weight):
             raise ValueError(f"SkinnyLinear: the weight must be a contiguous 2-D float32 CPU tensor, got "
                              f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-        self.weight = weight
+        self.packed = pack_weight(weight)
         self.fallback = fallback
         self.max_rows = max_rows
         self.out_features, self.in_features = weight.shape
@@ -78,7 +89,9 @@ class SkinnyLinear:
                 and weight.is_contiguous() and weight.numel() > 0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _run(self._kernel, x, self.weight, bias) if self._takes(x, bias) else self.fallback(x, weight, bias)
+        if self._takes(x, bias):
+            return _run(self._kernel, x, self.packed, self.out_features, bias)
+        return self.fallback(x, weight, bias)
 
     def _takes(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the kernel can read ``x`` and ``bias`` by address (what :func:`skinny_gemm` checks, as
