@@ -60,9 +60,18 @@ VRS_INLINE void block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
   }
 }
 
-template <int M>
-VRS_INLINE void blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t count) {
-  for (int64_t i = 0; i < count; ++i, m += M) block<M>(a, panel, m);
+// `count` blocks of `rows` rows (1 to kRowBlock) of x from row m on, m advanced past them.
+VRS_INLINE void blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t rows, int64_t count) {
+  for (int64_t i = 0; i < count; ++i, m += rows) {
+    switch (rows) {
+      case 6: block<6>(a, panel, m); break;
+      case 5: block<5>(a, panel, m); break;
+      case 4: block<4>(a, panel, m); break;
+      case 3: block<3>(a, panel, m); break;
+      case 2: block<2>(a, panel, m); break;
+      default: block<1>(a, panel, m); break;
+    }
+  }
 }
 
 // Panels [begin, end) for every row; the rows split into blocks of at most kRowBlock, as even as
@@ -71,17 +80,8 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
   const int64_t count = (a.rows + kRowBlock - 1) / kRowBlock, size = a.rows / count, larger = a.rows % count;
   for (int64_t panel = begin; panel < end; ++panel) {
     int64_t m = 0;
-    for (int64_t rows = size + (larger > 0); rows >= size; --rows) {
-      const int64_t n = rows > size ? larger : count - larger;
-      switch (rows) {
-        case 6: blocks<6>(a, panel, m, n); break;
-        case 5: blocks<5>(a, panel, m, n); break;
-        case 4: blocks<4>(a, panel, m, n); break;
-        case 3: blocks<3>(a, panel, m, n); break;
-        case 2: blocks<2>(a, panel, m, n); break;
-        default: blocks<1>(a, panel, m, n); break;
-      }
-    }
+    blocks(a, panel, m, size + 1, larger);
+    blocks(a, panel, m, size, count - larger);
   }
 }
 
