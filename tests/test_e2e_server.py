@@ -1,15 +1,18 @@
-"""End to end through a real vLLM OpenAI server subprocess and the `openai` client."""
+"""End to end through a real vLLM OpenAI server subprocess and the `openai` client, and our
+Prometheus metrics on its ``/metrics`` next to vLLM's."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+from test_metrics import scraped, total
 
 from vllm_retrieval_spec.evaluation.client import openai_client, run_prompts
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, GenerationRun, generate
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 from vllm_retrieval_spec.evaluation.server import ServerError, VllmServer
+from vllm_retrieval_spec.integration.metrics import PREFIX
 
 from conftest import BATCH1_PROMPTS, CONCURRENT, E2E_MAX_TOKENS, assert_same_token_ids, running_engine
 
@@ -63,6 +66,27 @@ def test_models_endpoint_and_chat_reply_equal_no_speculation(rest_server, chat_b
     assert choice.model_extra["token_ids"] == chat_baseline.output_ids  # speculation is lossless
     assert reply.usage.completion_tokens == len(chat_baseline.output_ids)
     assert choice.finish_reason == ("length" if len(chat_baseline.output_ids) == CHAT_MAX_TOKENS else "stop")
+
+
+METRICS_CHAT = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
+
+
+def test_server_metrics_show_ours_next_to_vllms(rest_server):
+    """Totals since the server started (it served the tests above too)."""
+    client = openai_client(rest_server.base_url)
+    for _ in range(3):
+        client.chat.completions.create(model=rest_server.served_model_name, messages=METRICS_CHAT, max_tokens=48,
+                                       temperature=0.0)
+    samples = scraped(rest_server.metrics_text())
+    vllm = rest_server.spec_decode_counters()
+    ours = {"model_name": "smol", "engine": "0", "proposer": "RestProposer"}
+    draft_tokens = total(samples, "draft_tokens_total", ours)
+    assert draft_tokens >= vllm.draft_tokens > 0  # ours also counts drafts of steps never verified
+    assert total(samples, "drafted_requests_total", ours) >= vllm.drafts > 0
+    assert total(samples, "drafting_seconds_count", ours) > 0
+    assert total(samples, "budget_steps_total", ours) > 0
+    assert total(samples, "drafting_failures_total", ours) == 0
+    assert {labels["source"] for name, labels, _ in samples if name == PREFIX + "draft_tokens_total"}
 
 
 @pytest.mark.parametrize(

@@ -233,6 +233,7 @@ def test_bigram_probabilities_must_be_probabilities(tmp_path, value):
     (("--k", "60000"), "--k must be an integer in [1, 49152], got 60000"),
     (("--prefix", "99999999"), "--prefix[0] must be an integer in [0, 49151], got 99999999"),
     (("--w", "0"), "--w must be an integer >= 1, got 0"),
+    (("--tokens", "0"), "--tokens must be an integer in [1, 49152], got 0"),
 ])
 def test_bad_ngram_table_options_fail_before_the_model_runs(model_dir, tmp_path, option, message):
     result = run_cli("ngram-table", "build", "--model", model_dir, "--out", tmp_path / "table", *option)
@@ -245,9 +246,10 @@ def test_bad_ngram_table_options_fail_before_the_model_runs(model_dir, tmp_path,
     ({"w": -2}, r"--w must be an integer >= 1, got -2"),
     ({"batch_size": 0}, r"--batch-size must be an integer >= 1, got 0"),
     ({"prefix": [-1]}, r"--prefix\[0\] must be an integer in \[0, 99\], got -1"),
+    ({"tokens": 101}, r"--tokens must be an integer in \[1, 100\], got 101"),
 ])
 def test_ngram_table_options_are_checked_with_their_flag(options, message):
-    values = {"k": 3, "w": 4, "batch_size": 8, "prefix": [], "vocab_size": 100} | options
+    values = {"k": 3, "w": 4, "batch_size": 8, "prefix": [], "vocab_size": 100, "tokens": 100} | options
     with pytest.raises(ValueError, match=message):
         check_table_options(**values)
 

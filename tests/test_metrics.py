@@ -1,5 +1,5 @@
-"""Our Prometheus metrics: published from a proposer and its session, and on a real server's
-``/metrics`` next to vLLM's."""
+"""Our Prometheus metrics: published from a proposer and its session (on a real server's
+``/metrics`` next to vLLM's: ``test_e2e_server.py``, on that file's server)."""
 
 from __future__ import annotations
 
@@ -111,33 +111,6 @@ def test_a_server_shares_a_fresh_metrics_directory_removed_at_exit(tmp_path):
     late = subprocess.run([sys.executable, "-c", "import prometheus_client; " + script], env=env,
                           capture_output=True, text=True)
     assert late.returncode != 0 and "KeyError" in late.stderr  # too late: vLLM's metrics stay in memory
-
-
-CHAT = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
-
-
-@pytest.mark.server
-def test_server_metrics_show_ours_next_to_vllms(model_dir, code_store):
-    from vllm_retrieval_spec.evaluation.client import openai_client
-    from vllm_retrieval_spec.evaluation.server import VllmServer
-
-    spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
-    with VllmServer(model_dir, speculative_config=spec,
-                    additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
-        client = openai_client(server.base_url)
-        for _ in range(3):
-            client.chat.completions.create(model=server.served_model_name, messages=CHAT, max_tokens=48,
-                                           temperature=0.0)
-        samples = scraped(server.metrics_text())
-        vllm = server.spec_decode_counters()
-    ours = {"model_name": "smol", "engine": "0", "proposer": "RestProposer"}
-    draft_tokens = total(samples, "draft_tokens_total", ours)
-    assert draft_tokens >= vllm.draft_tokens > 0  # ours also counts drafts of steps never verified
-    assert total(samples, "drafted_requests_total", ours) >= vllm.drafts > 0
-    assert total(samples, "drafting_seconds_count", ours) > 0
-    assert total(samples, "budget_steps_total", ours) > 0
-    assert total(samples, "drafting_failures_total", ours) == 0
-    assert {labels["source"] for name, labels, _ in samples if name == PREFIX + "draft_tokens_total"}
 
 
 def scraped(text: str) -> list[tuple[str, dict[str, str], float]]:

@@ -23,7 +23,7 @@ from vllm_retrieval_spec.ngrams.table import (
 )
 from vllm_retrieval_spec.storage import write_manifest
 
-from conftest import fake_vllm_config, small_ngram_table
+from conftest import NGRAM_TABLE_TOKENS, fake_vllm_config, small_ngram_table
 
 
 def test_extended_bigram_follows_the_greedy_bigram():
@@ -31,6 +31,27 @@ def test_extended_bigram_follows_the_greedy_bigram():
     extended = extend_bigram(top, 3)
     assert extended[0].tolist() == [[1, 2, 0], [2, 0, 1]]
     assert extended[2].tolist() == [[0, 1, 2], [1, 2, 0]]
+
+
+def test_a_partial_tables_continuations_end_at_an_untabulated_token():
+    top = np.array([[1, 3], [2, 0]], dtype=np.int32)  # rows for tokens 0 and 1 of a larger vocabulary
+    extended = extend_bigram(top, 3)
+    assert extended[0].tolist() == [[1, 2, -1], [3, -1, -1]]  # 2 and 3 have no row: nothing follows them
+    assert extended[1].tolist() == [[2, -1, -1], [0, 1, 2]]
+
+
+def test_a_partial_table_drafts_only_after_tabulated_tokens_and_up_to_a_continuations_end():
+    from types import SimpleNamespace
+
+    top = np.array([[1, 3], [2, 0]], dtype=np.int32)
+    table = SimpleNamespace(max_drafts=2, max_draft_len=3, tokens=2, extended=extend_bigram(top, 3),
+                            bigram_probs=np.array([[0.6, 0.3], [0.5, 0.4]], np.float32))
+    tokens, lengths, rows = as_rows([[7, 0], [7, 1], [1, 5]])
+    drafts = mixed_drafts(table, tokens, lengths, rows, MixedStrategy(2, 3, 1, "bigram-only"))
+    assert drafts.tokens[0].tolist() == [[1, 2, -1], [3, -1, -1]] and drafts.lengths[0].tolist() == [2, 1]
+    assert drafts.tokens[1].tolist() == [[2, -1, -1], [0, 1, 2]] and drafts.lengths[1].tolist() == [1, 3]
+    assert drafts.lengths[2].tolist() == [0, 0] and drafts.chain(2) == []  # 5 has no row
+    assert drafts.weights[0].tolist() == pytest.approx([0.6, 0.3]) and drafts.weights[2].tolist() == [0, 0]
 
 
 def as_rows(contexts):
@@ -79,7 +100,8 @@ def test_table_rows_are_the_models_own_bigram_and_deterministic(model_dir, ngram
     from transformers import AutoModelForCausalLM
 
     table = NgramTable.open(ngram_table_dir, expected_model=ModelIdentity.of(model_dir))
-    assert table.bigram_tokens.shape == (49152, 10) and table.extended.shape == (49152, 10, 8)
+    assert table.tokens == (NGRAM_TABLE_TOKENS or 49152)
+    assert table.bigram_tokens.shape == (table.tokens, 10) and table.extended.shape == (table.tokens, 10, 8)
     assert table.unigram_ranking is not None and sorted(table.unigram_ranking[:5].tolist()) != []
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     prefix = table.manifest["prefix"]
@@ -129,9 +151,12 @@ def test_ngram_options_are_validated():
 TINY_VOCAB, TINY_K, TINY_W = 10, 3, 4
 
 
-def write_tiny_table(directory: Path, **manifest_changes: object) -> Path:
-    """A table in the on-disk format without a model: token t's bigram is t+1, t+2, ..."""
-    top = small_ngram_table(TINY_K, TINY_W).extended[:, :, 0].copy()
+def write_tiny_table(directory: Path, tokens: int = TINY_VOCAB, **manifest_changes: object) -> Path:
+    """A table in the on-disk format without a model: token t's bigram is t+1, t+2, ... (rows
+    for the first ``tokens`` ids, in the manifest when fewer than all)."""
+    top = small_ngram_table(TINY_K, TINY_W).extended[:tokens, :, 0].copy()
+    if tokens < TINY_VOCAB:
+        manifest_changes = {"tokens": tokens, **manifest_changes}
     directory.mkdir(parents=True)
     top.tofile(directory / BIGRAM_TOKENS)
     np.full(top.shape, 1.0 / TINY_K, dtype=np.float32).tofile(directory / BIGRAM_PROBS)
@@ -160,6 +185,17 @@ def test_a_table_is_memory_mapped_read_only(tmp_path):
 def test_bad_table_manifests_are_named(tmp_path, changes, message):
     with pytest.raises(NgramTableError, match=message):
         NgramTable.open(write_tiny_table(tmp_path / "table", **changes))
+
+
+def test_a_partial_table_opens_with_its_rows_and_a_bad_token_count_is_named(tmp_path):
+    table = NgramTable.open(write_tiny_table(tmp_path / "table", tokens=6))
+    assert table.tokens == 6 and table.extended.shape == (6, TINY_K, TINY_W)
+    assert table.extended[5, 0].tolist() == [6, -1, -1, -1]  # 6 has no row
+    manifest = json.loads((table.path / "manifest.json").read_text())
+    write_manifest(table.path, {**manifest, "tokens": 11})
+    with pytest.raises(NgramTableError, match=r"manifest\.json is corrupt \('tokens' must be an integer in \[1, 10\], "
+                                              r"got 11\)"):
+        NgramTable.open(table.path)
 
 
 def test_a_missing_manifest_key_is_named(tmp_path):

@@ -9,7 +9,7 @@ tree mode, with a proposer that drafts nothing, alone or among 31 others, and be
 other requests filled the output index; and through the OpenAI server.
 
 CI runs the engine and server checks at a scale that fits its time (32 seeded requests, every
-eighth also alone, 20 filling the index; 12 through the server); ``VRS_TEST_SCALE=full`` runs
+eighth also alone, 20 filling the index; 12 through the server, every third also alone); ``VRS_TEST_SCALE=full`` runs
 them at issue 23's: 200 seeded requests (50 per setting) among up to 31 others, every one of them
 also alone, before and after 500 other requests, in the engine and through the server.
 """
@@ -111,10 +111,12 @@ class SeededScale:
     alone_every: int  # every n-th of them runs once more, one at a time
     filling: int  # other requests that fill the output index in between
     server_per_setting: int
+    server_alone_every: int  # every n-th of the server's also runs one at a time
 
 
-SCALE = at_scale(ci=SeededScale(per_setting=8, alone_every=8, filling=20, server_per_setting=3),
-                 full=SeededScale(per_setting=50, alone_every=1, filling=500, server_per_setting=50))
+SCALE = at_scale(ci=SeededScale(per_setting=8, alone_every=8, filling=20, server_per_setting=3, server_alone_every=3),
+                 full=SeededScale(per_setting=50, alone_every=1, filling=500, server_per_setting=50,
+                                  server_alone_every=1))
 CONCURRENT = 32  # each batched request runs among up to 31 others
 SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9),
             dict(temperature=1.0, top_k=50)]
@@ -246,19 +248,20 @@ def output_index_drafts(server: VllmServer) -> float:
 @pytest.mark.server
 def test_seeded_requests_repeat_through_the_openai_server(model_dir, e2e_prompts):
     """REST K = 8 chains: all at once, one at a time, and all at once again after other requests
-    filled the output index; against a server whose proposer drafts nothing."""
+    filled the output index; against an engine whose proposer drafts nothing (in this process:
+    the server's seeds reach the same sampler as the engine's, and one server start less)."""
     server_requests = seeded_requests(e2e_prompts[:6], SCALE.server_per_setting, SERVER_MAX_TOKENS)
     with server_of(rest_spec(model_dir)) as server:
         first = served(server, server_requests, CONCURRENT)
-        alone = served(server, server_requests, 1)
+        alone = served(server, server_requests[::SCALE.server_alone_every], 1)
         served(server, filling_requests(e2e_prompts, 16), 8)
         before = output_index_drafts(server)
         after = served(server, server_requests, CONCURRENT)
         assert output_index_drafts(server) > before  # the output index drafted
         assert server.spec_decode_counters().accepted_tokens > 0
-    with server_of(rest_spec(model_dir, proposer="vrs_test_proposers.NoDraftProposer")) as server:
-        undrafted = served(server, server_requests, CONCURRENT)
-    assert alone == first
+    with running_engine(rest_spec(model_dir, proposer="vrs_test_proposers.NoDraftProposer")) as llm:
+        undrafted = run(llm, server_requests)
+    assert alone == first[::SCALE.server_alone_every]
     assert after == first
     assert_nearly_all_equal(undrafted, first)
 

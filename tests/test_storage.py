@@ -10,6 +10,8 @@ import pytest
 from vllm_retrieval_spec.storage import (
     ArtifactKind,
     StorageError,
+    TokenizerIdentity,
+    _fast_tokenizer,
     file_records,
     map_array,
     read_manifest,
@@ -79,3 +81,25 @@ def test_checksums_are_recorded_and_verified(tmp_path):
 def _empty_file(path: Path) -> Path:
     path.write_bytes(b"")
     return path
+
+
+@pytest.mark.parametrize("model", ["model_dir", "gemma_dir"])
+def test_a_tokenizer_directory_has_the_identity_of_its_transformers_tokenizer(model, request, tmp_path):
+    """Read from tokenizer.json without transformers, and through transformers when the
+    configuration declares a token the file lacks (transformers adds it)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = request.getfixturevalue(model)
+    assert TokenizerIdentity.of_directory(directory) == TokenizerIdentity.of(
+        AutoTokenizer.from_pretrained(str(directory)), name=directory.name)
+    extended = Path(shutil.copytree(directory, tmp_path / directory.name,
+                                    ignore=shutil.ignore_patterns("*.safetensors")))
+    config = json.loads((extended / "tokenizer_config.json").read_text())
+    (extended / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|not-in-the-file|>"}))
+    assert _fast_tokenizer(extended) is None
+    widened = TokenizerIdentity.of_directory(extended)
+    assert widened == TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(extended)), name=extended.name)
+    assert widened.vocab_sha256 != TokenizerIdentity.of_directory(directory).vocab_sha256

@@ -372,8 +372,9 @@ def _ngram_table_build(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     prefix = None if args.prefix == "auto" else _token_ids(args.prefix, "--prefix")
     build_ngram_table(args.model, out, k=args.k, w=args.w, unigram=not args.no_unigram,
-                      batch_size=args.batch_size, replace=args.replace, prefix=prefix)
-    print(f"built {out} (k={args.k}, w={args.w}) in {time.perf_counter() - start:.1f} s")
+                      batch_size=args.batch_size, replace=args.replace, prefix=prefix, tokens=args.tokens)
+    covered = "" if args.tokens is None else f", the first {args.tokens:,} token ids"
+    print(f"built {out} (k={args.k}, w={args.w}{covered}) in {time.perf_counter() - start:.1f} s")
 
 
 def _token_ids(text: str, flag: str) -> list[int]:
@@ -475,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     table_build.add_argument("--k", type=int, default=25, help="top-k next tokens kept (default 25)")
     table_build.add_argument("--w", type=int, default=14, help="extended-bigram draft length (default 14)")
     table_build.add_argument("--batch-size", type=int, default=1024, help="tokens per forward pass")
+    table_build.add_argument("--tokens", type=int, help="tabulate only the first N token ids, at that share "
+                             "of the build time (default: every token; BPE vocabularies list their commonest "
+                             "merges first); no bigram drafts after the others")
     table_build.add_argument("--no-unigram", action="store_true", help="skip the unigram ranking")
     table_build.add_argument("--prefix", default="auto", help="token ids placed before each token, "
                              "comma-separated, '' for none (default auto: the document-start token)")

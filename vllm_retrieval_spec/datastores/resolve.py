@@ -12,9 +12,7 @@ from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datast
 
 def tokenizer_identity(tokenizer_dir: str | Path) -> TokenizerIdentity:
     """Identity of the tokenizer a model directory (or tokenizer directory) serves with."""
-    from transformers import AutoTokenizer
-
-    return TokenizerIdentity.of(AutoTokenizer.from_pretrained(str(tokenizer_dir)), name=Path(tokenizer_dir).name)
+    return TokenizerIdentity.of_directory(tokenizer_dir)
 
 
 def as_directory(option: str) -> Path | None:

@@ -102,14 +102,17 @@ def mixed_drafts(table: NgramTable, token_ids: np.ndarray, num_tokens: np.ndarra
         weights = np.divide(counts, total, out=weights, where=total > 0)
     if strategy.mixing != "context-only":
         last = token_ids[rows, num_tokens[rows] - 1]
-        bigram = table.extended[last][:, :num_drafts, :draft_len]  # [rows, num_drafts, draft_len]
+        tabulated = last < table.tokens  # a partial table has no row for the others
+        row = np.where(tabulated, last, 0)
+        bigram = table.extended[row][:, :num_drafts, :draft_len]  # [rows, num_drafts, draft_len]
         slot = np.arange(num_drafts)[None, :]
-        fill = slot >= from_context[:, None]  # the slots the context left empty
+        fill = (slot >= from_context[:, None]) & tabulated[:, None]  # the slots the context left empty
         source = np.clip(slot - from_context[:, None], 0, num_drafts - 1)
         filled = np.take_along_axis(bigram, source[:, :, None], axis=1)
-        tokens = np.where(fill[:, :, None], filled, tokens).astype(np.int32, copy=False)
-        lengths = np.where(fill, draft_len, lengths).astype(np.int32)
-        probs = np.take_along_axis(np.asarray(table.bigram_probs[last][:, :num_drafts]), source, axis=1)
+        kept = np.logical_and.accumulate(filled >= 0, axis=2)  # up to a continuation's end (-1)
+        tokens = np.where(fill[:, :, None], np.where(kept, filled, -1), tokens).astype(np.int32, copy=False)
+        lengths = np.where(fill, kept.sum(axis=2), lengths).astype(np.int32)
+        probs = np.take_along_axis(np.asarray(table.bigram_probs[row][:, :num_drafts]), source, axis=1)
         weights = np.where(fill, probs, weights).astype(np.float32)
     drafts = NgramDrafts(tokens, lengths, from_context, weights)
     return drafts.build_trees(num_threads) if with_trees else drafts

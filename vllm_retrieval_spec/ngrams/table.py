@@ -10,6 +10,11 @@ the top-k first tokens continued greedily through the bigram to ``w`` tokens. Op
 unigram ranking from the embeddings (paper §4.1: ``p(x) ∝ exp(-d(x))``, ``d`` the distance of
 the output embedding from the mean under the input embeddings' Gram matrix).
 
+A table may cover only the first ``tokens`` ids of the vocabulary (``--tokens``; BPE vocabularies
+list their commonest merges first: SmolLM2's first 8,192 ids are 89% of HumanEval's tokens) at that
+share of the build time: a request whose last token lies past them drafts nothing from the
+bigram, and a greedy continuation that reaches one ends there (``-1`` after it).
+
 Stored like a datastore: built in a temporary directory and renamed into place, with a
 ``manifest.json`` that names the model (config and tokenizer hashes), memory-mapped at serving.
 """
@@ -77,10 +82,12 @@ def default_table_dir(identity: ModelIdentity) -> Path:
 
 @dataclass
 class NgramTable:
-    """Memory-mapped tables: ``bigram_tokens``/``bigram_probs`` ``[V, k]``, ``extended``
-    ``[V, k, w]`` and optionally ``unigram_ranking`` ``[V]`` (most likely first). The build's
-    ``k`` and ``w`` (manifest keys, ``--k``/``--w``) cap what the options ``ngrammys_drafts``
-    and ``ngrammys_draft_len`` can use: :attr:`max_drafts`, :attr:`max_draft_len`."""
+    """Memory-mapped tables: ``bigram_tokens``/``bigram_probs`` ``[T, k]``, ``extended``
+    ``[T, k, w]`` (``-1`` after a continuation's end) for the first ``T`` = :attr:`tokens` ids of
+    the vocabulary (all of them unless built with ``--tokens``), and optionally
+    ``unigram_ranking`` ``[V]`` (most likely first). The build's ``k`` and ``w`` (manifest keys,
+    ``--k``/``--w``) cap what the options ``ngrammys_drafts`` and ``ngrammys_draft_len`` can use:
+    :attr:`max_drafts`, :attr:`max_draft_len`."""
 
     path: Path
     manifest: dict[str, Any]
@@ -98,6 +105,11 @@ class NgramTable:
         return int(self.manifest["w"])
 
     @property
+    def tokens(self) -> int:
+        """How many token ids (the first ones) have rows; tables before ``--tokens``: all."""
+        return int(self.manifest.get("tokens", self.manifest["model"]["vocab_size"]))
+
+    @property
     def model(self) -> ModelIdentity:
         return ModelIdentity(**self.manifest["model"])
 
@@ -111,17 +123,18 @@ class NgramTable:
         owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE, "model")
         check_manifest_ints(path, NGRAM_TABLE, {"model.vocab_size": (owner.vocab_size, 1, MAX_VOCAB_SIZE),
                                                 **table_bounds(manifest["k"], manifest["w"], manifest["prefix"],
-                                                               owner.vocab_size)})
+                                                               owner.vocab_size,
+                                                               manifest.get("tokens", owner.vocab_size))})
         if expected_model is not None:
             refuse_another_identity(NGRAM_TABLE, path, owner, expected_model)
-        v, k, w = owner.vocab_size, manifest["k"], manifest["w"]
+        v, t, k, w = owner.vocab_size, manifest.get("tokens", owner.vocab_size), manifest["k"], manifest["w"]
         unigram = map_array(path / UNIGRAM_RANKING, np.int32, (v,), NGRAM_TABLE) if manifest["unigram"] else None
         table = cls(
             path=path,
             manifest=manifest,
-            bigram_tokens=map_array(path / BIGRAM_TOKENS, np.int32, (v, k), NGRAM_TABLE),
-            bigram_probs=map_array(path / BIGRAM_PROBS, np.float32, (v, k), NGRAM_TABLE),
-            extended=map_array(path / EXTENDED, np.int32, (v, k, w), NGRAM_TABLE),
+            bigram_tokens=map_array(path / BIGRAM_TOKENS, np.int32, (t, k), NGRAM_TABLE),
+            bigram_probs=map_array(path / BIGRAM_PROBS, np.float32, (t, k), NGRAM_TABLE),
+            extended=map_array(path / EXTENDED, np.int32, (t, k, w), NGRAM_TABLE),
             unigram_ranking=unigram,
         )
         table.check_token_ids()
@@ -133,14 +146,16 @@ class NgramTable:
         refuse_another_identity(NGRAM_TABLE, self.path, self.model, expected)
 
     def check_token_ids(self) -> None:
-        """Fail naming the file when a stored token id is outside the vocabulary (reads the tables once)."""
+        """Fail naming the file when a stored token id is outside the vocabulary, or is the end
+        marker -1 anywhere but in a continuation of a partial table (reads the tables once)."""
         v = self.model.vocab_size
-        for name, ids in ((BIGRAM_TOKENS, self.bigram_tokens), (EXTENDED, self.extended),
-                          (UNIGRAM_RANKING, self.unigram_ranking)):
+        ends = -1 if self.tokens < v else 0
+        for name, ids, low_allowed in ((BIGRAM_TOKENS, self.bigram_tokens, 0), (EXTENDED, self.extended, ends),
+                                       (UNIGRAM_RANKING, self.unigram_ranking, 0)):
             if ids is None or ids.size == 0:
                 continue
             low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= v:
+            if low < low_allowed or high >= v:
                 raise NGRAM_TABLE.fail(f"{self.path / name} holds token ids outside the vocabulary [0, {v}) "
                                        f"(min {low}, max {high})")
 
@@ -175,17 +190,20 @@ def _require_table_dir(table_dir: Path, build_args: str) -> None:
         )
 
 
-def table_bounds(k: Any, w: Any, prefix: Sequence[Any], vocab_size: int) -> dict[str, tuple[Any, int, int | None]]:
+def table_bounds(k: Any, w: Any, prefix: Sequence[Any], vocab_size: int,
+                 tokens: Any) -> dict[str, tuple[Any, int, int | None]]:
     """The ranges of a table's parameters, as build options and as manifest values: ``k`` top
-    tokens of the vocabulary, drafts of ``w >= 1`` tokens, ``prefix`` ids in the vocabulary."""
-    bounds = {"k": (k, 1, vocab_size), "w": (w, 1, None)}
+    tokens of the vocabulary, drafts of ``w >= 1`` tokens, ``prefix`` ids in the vocabulary,
+    rows for the first ``tokens`` ids (1 to all)."""
+    bounds = {"k": (k, 1, vocab_size), "w": (w, 1, None), "tokens": (tokens, 1, vocab_size)}
     bounds.update({f"prefix[{i}]": (token, 0, vocab_size - 1) for i, token in enumerate(prefix)})
     return bounds
 
 
-def check_build_options(k: int, w: int, batch_size: int, prefix: Sequence[int], vocab_size: int) -> None:
+def check_build_options(k: int, w: int, batch_size: int, prefix: Sequence[int], vocab_size: int,
+                        tokens: int) -> None:
     """Fail naming the flag (``--k`` ...) when a build option is out of range, before any model runs."""
-    bounds = {f"--{name}": bound for name, bound in table_bounds(k, w, prefix, vocab_size).items()}
+    bounds = {f"--{name}": bound for name, bound in table_bounds(k, w, prefix, vocab_size, tokens).items()}
     require_ints({**bounds, "--batch-size": (batch_size, 1, None)})
 
 
@@ -203,9 +221,10 @@ def document_start_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25, w: int = 14,
                       unigram: bool = True, batch_size: int = 1024, replace: bool = False,
-                      prefix: Sequence[int] | None = None, progress: bool = True) -> Path:
-    """Run the model over every token (after ``prefix``, by default the document start) and
-    write the tables."""
+                      prefix: Sequence[int] | None = None, tokens: int | None = None,
+                      progress: bool = True) -> Path:
+    """Run the model over every token (the first ``tokens`` ids only, when given; after
+    ``prefix``, by default the document start) and write the tables."""
     out_dir = Path(out_dir)
     check_build_target(out_dir, replace, NGRAM_TABLE)  # before minutes of work
     identity = ModelIdentity.of(model_dir)
@@ -214,12 +233,13 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
         from transformers import AutoTokenizer
 
         prefix = document_start_prefix(AutoTokenizer.from_pretrained(str(model_dir)))
-    check_build_options(k, w, batch_size, prefix, identity.vocab_size)
+    tokens = identity.vocab_size if tokens is None else tokens
+    check_build_options(k, w, batch_size, prefix, identity.vocab_size, tokens)
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    top_tokens, top_probs = bigram_top_k(model, range(identity.vocab_size), k, batch_size, progress, prefix)
+    top_tokens, top_probs = bigram_top_k(model, range(tokens), k, batch_size, progress, prefix)
     extended = extend_bigram(top_tokens, w)
     ranking = unigram_ranking(model) if unigram else None
     with atomic_directory(out_dir, replace=replace, kind=NGRAM_TABLE) as tmp:
@@ -237,6 +257,7 @@ def build_ngram_table(model_dir: str | Path, out_dir: str | Path, *, k: int = 25
             "w": w,
             "unigram": ranking is not None,
             "prefix": list(prefix),
+            "tokens": tokens,
             "files": {name: sha256_of_file(tmp / name) for name in files},
             "build": {"model_dir": str(model_dir), "batch_size": batch_size, "package_version": __version__,
                       "seconds": round(time.perf_counter() - start, 2),
@@ -275,13 +296,15 @@ def bigram_top_k(model: PreTrainedModel, token_ids: Sequence[int], k: int, batch
 
 
 def extend_bigram(top_tokens: np.ndarray, w: int) -> np.ndarray:
-    """``[V, k, w]``: each top-k first token continued greedily (bigram top-1) to ``w`` tokens."""
-    vocab, k = top_tokens.shape
-    extended = np.empty((vocab, k, w), dtype=np.int32)
+    """``[T, k, w]``: each top-k first token continued greedily (bigram top-1) to ``w`` tokens;
+    a continuation that reaches a token past the ``T`` tabulated ones ends there (-1 after it)."""
+    tabulated, k = top_tokens.shape
+    extended = np.empty((tabulated, k, w), dtype=np.int32)
     extended[:, :, 0] = top_tokens
-    greedy_next = top_tokens[:, 0]
+    greedy_next = np.append(top_tokens[:, 0], np.int32(-1))  # the last entry: no continuation
     for step in range(1, w):
-        extended[:, :, step] = greedy_next[extended[:, :, step - 1]]
+        previous = extended[:, :, step - 1]
+        extended[:, :, step] = greedy_next[np.where((previous >= 0) & (previous < tabulated), previous, tabulated)]
     return extended
 
 
