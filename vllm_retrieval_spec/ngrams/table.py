@@ -121,13 +121,11 @@ class NgramTable:
         path = Path(path)
         manifest = read_manifest(path, NGRAM_TABLE)
         owner = manifest_record(path, ModelIdentity, manifest["model"], NGRAM_TABLE, "model")
-        check_manifest_ints(path, NGRAM_TABLE, {"model.vocab_size": (owner.vocab_size, 1, MAX_VOCAB_SIZE),
-                                                **table_bounds(manifest["k"], manifest["w"], manifest["prefix"],
-                                                               owner.vocab_size,
-                                                               manifest.get("tokens", owner.vocab_size))})
+        v, t, k, w = owner.vocab_size, manifest.get("tokens", owner.vocab_size), manifest["k"], manifest["w"]
+        check_manifest_ints(path, NGRAM_TABLE, {"model.vocab_size": (v, 1, MAX_VOCAB_SIZE),
+                                                **table_bounds(k, w, manifest["prefix"], v, t)})
         if expected_model is not None:
             refuse_another_identity(NGRAM_TABLE, path, owner, expected_model)
-        v, t, k, w = owner.vocab_size, manifest.get("tokens", owner.vocab_size), manifest["k"], manifest["w"]
         unigram = map_array(path / UNIGRAM_RANKING, np.int32, (v,), NGRAM_TABLE) if manifest["unigram"] else None
         table = cls(
             path=path,
@@ -146,8 +144,8 @@ class NgramTable:
         refuse_another_identity(NGRAM_TABLE, self.path, self.model, expected)
 
     def check_token_ids(self) -> None:
-        """Fail naming the file when a stored token id is outside the vocabulary, or is the end
-        marker -1 anywhere but in a continuation of a partial table (reads the tables once)."""
+        """Fail naming the file when a stored token id is outside the vocabulary; -1 (a
+        continuation's end) only in the extended table of a partial one (reads the tables once)."""
         v = self.model.vocab_size
         ends = -1 if self.tokens < v else 0
         for name, ids, low_allowed in ((BIGRAM_TOKENS, self.bigram_tokens, 0), (EXTENDED, self.extended, ends),
