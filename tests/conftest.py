@@ -1,4 +1,4 @@
-"""Shared fixtures: the real model, in-process vLLM engines, baseline generations, a server."""
+"""Shared fixtures: the real model, in-process vLLM engines, baseline generations, servers."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     shutdown_llm,
 )
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts  # noqa: E402
+from vllm_retrieval_spec.evaluation.server import VllmServer  # noqa: E402
 
 from scale import at_scale  # noqa: E402
 
@@ -34,10 +35,11 @@ if TYPE_CHECKING:
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-E2E_PROMPTS = at_scale(ci=12, full=20)
+E2E_PROMPTS = at_scale(ci=10, full=20)
 BATCH1_PROMPTS = at_scale(ci=3, full=10)  # the first ones also run one at a time (batch 1 costs the most per token)
 E2E_MAX_TOKENS = at_scale(ci=48, full=64)
 CONCURRENT = 8
+PLAIN_SERVER_SEQUENCES = 16  # the load tests' 64 clients queue at their servers: 16 in flight
 NGRAM_TABLE_TOKENS = at_scale(ci=8192, full=None)  # ci: 89% of HumanEval's tokens; full: the vocabulary
 
 
@@ -142,6 +144,14 @@ def ngram_table_dir(model_dir, tmp_path_factory):
 
     return build_ngram_table(model_dir, tmp_path_factory.mktemp("ngram") / "table", k=10, w=8,
                              tokens=NGRAM_TABLE_TOKENS, progress=False)
+
+
+@pytest.fixture(scope="session")
+def plain_server(model_dir: Path) -> Iterator[VllmServer]:
+    """An OpenAI server without speculation (max_model_len 2048, PLAIN_SERVER_SEQUENCES in flight):
+    the reference of every server test, started once for the session (a start costs ~50 s here)."""
+    with VllmServer(model_dir, extra_args=["--max-num-seqs", str(PLAIN_SERVER_SEQUENCES)]) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from vllm_retrieval_spec.datastores import TokenDatastore, from_server
 from vllm_retrieval_spec.datastores.builder import load_tokenizer
 from vllm_retrieval_spec.datastores.dense import DenseDatastore
 from vllm_retrieval_spec.datastores.from_server import AskSettings, answered, collect_transcripts, read_prompt_file
-from vllm_retrieval_spec.evaluation.server import VllmServer, free_port
+from vllm_retrieval_spec.evaluation.server import free_port
 
 PROMPTS = [{"prompt": "def add(a, b):\n"}, {"messages": [{"role": "user", "content": "Say hi."}]},
            {"prompt": "def sub(a, b):\n"}]
@@ -141,7 +141,7 @@ def test_an_unreachable_server_is_one_line_naming_the_url(model_dir, prompt_file
     assert "Traceback" not in done.stderr and not (tmp_path / "s").exists()
 
 
-def test_stores_from_the_real_servers_answers(model_dir, tmp_path):
+def test_stores_from_the_real_servers_answers(model_dir, plain_server, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in [
         {"prompt": "def is_even(n):\n    \"\"\"Return True when n is even.\"\"\"\n"},
@@ -150,9 +150,8 @@ def test_stores_from_the_real_servers_answers(model_dir, tmp_path):
         {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
     ]))
     out = tmp_path / "store"
-    with VllmServer(model_dir) as server:
-        done = cli("--url", server.base_url, "--prompts", str(prompts), "--out", str(out), "--model", str(model_dir),
-                   "--max-tokens", "24", "--dense", "--concurrency", "4")
+    done = cli("--url", plain_server.base_url, "--prompts", str(prompts), "--out", str(out), "--model", str(model_dir),
+               "--max-tokens", "24", "--dense", "--concurrency", "4")
     assert done.returncode == 0, done.stderr
     transcripts = [json.loads(line) for line in (tmp_path / "store.transcripts.jsonl").read_text().splitlines()]
     assert len(transcripts) == 4

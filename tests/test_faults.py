@@ -30,7 +30,7 @@ from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES
 from conftest import running_engine
 from scale import at_scale
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 2048  # the shared no-speculation server's (VllmServer's default)
 MAX_TOKENS = 32
 CONCURRENT = 32
 PROMPTS = humaneval_prompts(CONCURRENT)
@@ -234,12 +234,11 @@ def near_limit_prompt(model_dir: Path) -> list[int]:
 # --- Servers ----------------------------------------------------------------------------------
 
 
-def server_for(model_dir: Path, proposer: str | None = None, k: int = 8,
-               options: Mapping[str, Any] | None = None) -> VllmServer:
-    """A server at ``MAX_MODEL_LEN`` with ``proposer`` (none: no speculation) and ``tests/`` on
-    its path (for test-only proposers)."""
-    spec = {"model": proposer, "num_speculative_tokens": k} if proposer else None
-    return VllmServer(model_dir, speculative_config=spec, max_model_len=MAX_MODEL_LEN,
+def server_for(model_dir: Path, proposer: str, k: int = 8, options: Mapping[str, Any] | None = None) -> VllmServer:
+    """A server at ``MAX_MODEL_LEN`` speculating with ``proposer``, ``tests/`` on its path (for
+    test-only proposers)."""
+    return VllmServer(model_dir, speculative_config={"model": proposer, "num_speculative_tokens": k},
+                      max_model_len=MAX_MODEL_LEN,
                       additional_config={"retrieval_spec": dict(options)} if options else None,
                       env={"PYTHONPATH": TESTS_DIR})
 
@@ -258,11 +257,8 @@ def near_limit_ids(model_dir) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, near_limit_ids) -> Reference:
-    with server_for(model_dir) as server:
-        records = generate(server, PROMPTS, CONCURRENT)
-        replies = send_all(server, cases(near_limit_ids))
-    return Reference(records, replies)
+def reference(plain_server, near_limit_ids) -> Reference:
+    return Reference(generate(plain_server, PROMPTS, CONCURRENT), send_all(plain_server, cases(near_limit_ids)))
 
 
 @pytest.fixture(scope="module")

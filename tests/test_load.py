@@ -40,7 +40,7 @@ from vllm_retrieval_spec.evaluation.load import (
 )
 from vllm_retrieval_spec.evaluation.server import VllmServer, free_port, wait_until
 
-from conftest import build_stdlib_store, stdlib_inputs
+from conftest import PLAIN_SERVER_SEQUENCES, build_stdlib_store, stdlib_inputs
 from scale import at_scale
 
 LOAD_TEST = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
@@ -246,7 +246,6 @@ def test_a_connection_dropped_unanswered_is_sent_again_once_and_counted(stream):
 # --- A real server ------------------------------------------------------------------------------
 
 
-MAX_NUM_SEQS = 16  # the 64 clients queue at the servers: 16 in flight
 
 
 STORE_PACKAGES = ("json", "email", "asyncio", "collections", "importlib", "unittest")
@@ -264,14 +263,8 @@ def sharded_code_store(model_dir, tmp_path_factory) -> Path:
 def rest_server(model_dir, sharded_code_store):
     spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
     options = {"datastore": str(sharded_code_store), "datastore_reload_seconds": 0.5}
-    with VllmServer(model_dir, speculative_config=spec, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
+    with VllmServer(model_dir, speculative_config=spec, extra_args=["--max-num-seqs", str(PLAIN_SERVER_SEQUENCES)],
                     additional_config={"retrieval_spec": options}) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def reference_server(model_dir):
-    with VllmServer(model_dir, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)]) as server:
         yield server
 
 
@@ -311,14 +304,14 @@ def last_reload(server: VllmServer) -> str:
 
 @pytest.mark.server
 def test_64_clients_get_what_a_server_without_speculation_returns_while_the_store_changes(
-        rest_server, reference_server, sharded_code_store, model_dir, tmp_path):
+        rest_server, plain_server, sharded_code_store, model_dir, tmp_path):
     """64 clients of mixed traffic (greedy and sampled, completions and chat) while `datastore add`
     and `remove` change the served store (the edits take ~1 s): the server swaps the new store in
     between two steps, with no error and no greedy output differing from a server without
     speculation."""
     out = tmp_path / "load64.json"
     command = [sys.executable, str(LOAD_TEST), "--url", rest_server.base_url, "--compare-to",
-               reference_server.base_url, "--concurrency", "64", "--num-requests", str(CLIENTS_REQUESTS),
+               plain_server.base_url, "--concurrency", "64", "--num-requests", str(CLIENTS_REQUESTS),
                "--max-tokens", "16", "--dataset", "mixed", "--out", str(out)]
     with subprocess.Popen(command) as clients:
         assert wait_until(lambda: rest_server.metric("vllm:num_requests_running") > 0)
