@@ -161,6 +161,8 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 12).
     "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
+    # ... and the skinny GEMM up to 48 rows (8 in flight drafting up to 5 tokens each stay on it).
+    "rest_k32_gemm48": _ours("RestProposer", 32, cpu_gemm_max_rows=48),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},

@@ -155,6 +155,16 @@ def plain_server(model_dir: Path) -> Iterator[VllmServer]:
 
 
 @pytest.fixture(scope="session")
+def rest_server(model_dir: Path, code_store: Path) -> Iterator[VllmServer]:
+    """An OpenAI server speculating with RestProposer (K = 8, the test datastore, default
+    options), shared by the server tests that need one (each start costs ~50 s here)."""
+    spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 8}
+    with VllmServer(model_dir, speculative_config=spec,
+                    additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def e2e_prompts() -> list[str]:
     return humaneval_prompts(E2E_PROMPTS)
 

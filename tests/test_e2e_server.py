@@ -19,14 +19,6 @@ from conftest import BATCH1_PROMPTS, CONCURRENT, E2E_MAX_TOKENS, assert_same_tok
 pytestmark = pytest.mark.server
 
 
-@pytest.fixture(scope="module")
-def rest_server(model_dir, code_store):
-    spec = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 4}
-    with VllmServer(model_dir, speculative_config=spec,
-                    additional_config={"retrieval_spec": {"datastore": str(code_store)}}) as server:
-        yield server
-
-
 @pytest.mark.parametrize("mode, concurrency", [("batch1", 1), ("concurrent", CONCURRENT)])
 def test_server_outputs_equal_no_speculation(rest_server, e2e_prompts, baseline_runs, mode, concurrency):
     server = rest_server

@@ -1,9 +1,9 @@
 """Faults the server survives and bad input it answers exactly as without speculation.
 
-Real OpenAI server subprocesses, one at a time: the no-speculation reference is recorded first
-(its server stops before any speculating one starts), then each speculating configuration
-serves the tests of its class. Requests go through raw HTTP, so that status codes and error
-messages are compared as well as token ids, texts and finish reasons.
+Real OpenAI server subprocesses: the session's servers without speculation (the reference,
+recorded first) and with REST chains (conftest), and this file's failing-proposer and tree-mode
+servers. Requests go through raw HTTP, so that status codes and error messages are compared as
+well as token ids, texts and finish reasons.
 """
 
 from __future__ import annotations
@@ -291,12 +291,6 @@ def test_failing_proposer_keeps_serving_exactly(model_dir, reference):
 
 
 # --- 2 and 4. Disconnecting clients and bad input, chain mode ---------------------------------
-
-
-@pytest.fixture(scope="class")
-def rest_server(model_dir, store_copy) -> Iterator[VllmServer]:
-    with server_for(model_dir, "vllm_retrieval_spec.RestProposer", options={"datastore": str(store_copy)}) as server:
-        yield server
 
 
 def hang_up_after_chunks(server: VllmServer, prompt: str) -> int:
