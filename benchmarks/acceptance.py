@@ -159,10 +159,11 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50, 100)},
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
-    # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 12).
+    # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).
     "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
-    # ... and the skinny GEMM up to 48 rows (8 in flight drafting up to 5 tokens each stay on it).
-    "rest_k32_gemm48": _ours("RestProposer", 32, cpu_gemm_max_rows=48),
+    # ... and the skinny GEMM up to 48 or 96 rows (8 in flight drafting up to 5 tokens each, or
+    # 32 in flight drafting up to 2, stay on it).
+    **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (48, 96)},
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},

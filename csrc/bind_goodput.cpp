@@ -45,7 +45,8 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
     CpuArray<double, 4> accepted, CpuArray<double, 4> observed, CpuArray<double, 1> first_accepted,
     CpuArray<double, 1> first_observed, CpuArray<int32_t, 1> length_bucket, CpuArray<int32_t, 1> depth_bucket,
     double strength, double raw_prior_scale, double min_chance, double max_chance, double base, double per_request,
-    double per_token, double per_sampled_token, double draft_seconds, double margin) {
+    double per_token, double per_sampled_token, int64_t kernel_rows, double past_kernel_rows, double draft_seconds,
+    double margin) {
   const size_t rows = prob.shape(0), width = prob.shape(1);
   if (source.shape(0) != rows || source.shape(1) != width || match_len.shape(0) != rows ||
       match_len.shape(1) != width)
@@ -64,8 +65,8 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
   {
     nb::gil_scoped_release release;
     thread_local vrs::ChainChooser chooser;
-    chooser.choose(in, cal, {base, per_request, per_token, per_sampled_token}, draft_seconds, margin, bucket.data(),
-                   chance.data(), keep.data());
+    chooser.choose(in, cal, {base, per_request, per_token, per_sampled_token, kernel_rows, past_kernel_rows},
+                   draft_seconds, margin, bucket.data(), chance.data(), keep.data());
   }
   return {bucket, chance, keep};
 }
@@ -92,7 +93,8 @@ void bind_goodput(nb::module_& m) {
         nb::arg("accepted"), nb::arg("observed"), nb::arg("first_accepted"), nb::arg("first_observed"),
         nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"), nb::arg("raw_prior_scale"),
         nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("base"), nb::arg("per_request"),
-        nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("draft_seconds"), nb::arg("margin"),
+        nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("kernel_rows"), nb::arg("past_kernel_rows"),
+        nb::arg("draft_seconds"), nb::arg("margin"),
         "The goodput budget's choice among chain drafts ([rows, width] candidates, node j's parent "
         "node j - 1): returns new arrays bucket (int64), chance given the parent (float64, 0 past "
         "a row's size) and keep (bool), the nodes of the best expected rate.");

@@ -39,9 +39,16 @@ struct ChainCalibration {
   double min_chance, max_chance;
 };
 
-// The cost model's terms a chain step reads (goodput/cost_model.py, seconds).
+// The cost model's terms a chain step reads (goodput/cost_model.py, seconds): a step of more
+// than kernel_rows tokens (0: no such bound) also pays past_kernel_rows once.
 struct ChainStepCost {
   double base, per_request, per_token, per_sampled_token;
+  int64_t kernel_rows;
+  double past_kernel_rows;
+
+  double past(double tokens) const {
+    return kernel_rows > 0 && tokens > static_cast<double>(kernel_rows) ? past_kernel_rows : 0.0;
+  }
 };
 
 // One step's chain candidates, [rows, width] row-major.
@@ -88,7 +95,7 @@ class ChainChooser {
     std::stable_sort(candidates_.begin(), candidates_.end(),
                      [](const Candidate& a, const Candidate& b) { return a.key < b.key; });
     const double reqs = in.num_reqs;
-    const double idle = cost.base + cost.per_request * reqs;
+    const double idle = cost.base + cost.per_request * reqs + cost.past(reqs);
     double gained = 0.0, best_objective = reqs / std::max(idle, 1e-9), best_gained = 0.0, best_added = 0.0;
     int64_t sampled = 0, best = 0;
     for (size_t k = 0; k < candidates_.size(); ++k) {
@@ -97,7 +104,8 @@ class ChainChooser {
       sampled += in.samples != nullptr && in.samples[c.flat / in.width];
       const double count = static_cast<double>(k + 1);
       const double added = cost.base + cost.per_request * reqs + cost.per_token * count +
-                           cost.per_sampled_token * static_cast<double>(sampled) - idle + draft_seconds;
+                           cost.per_sampled_token * static_cast<double>(sampled) + cost.past(reqs + count) - idle +
+                           draft_seconds;
       const double objective = (reqs + gained) / std::max(idle + (1.0 + margin) * added, 1e-9);
       if (objective > best_objective) {
         best_objective = objective;

@@ -60,7 +60,8 @@ def chain_steps(draw):
     budgets = np.where(rng.random(rows) < 0.5, width, rng.integers(0, width + 1, rows)).astype(np.int32)
     samples = None if draw(st.booleans()) else rng.random(rows) < 0.5
     cost = StepCostModel(prior=(0.02 * rng.random(), 0.002 * rng.random(), 0.002 * rng.random(), 0.001, 0.001 *
-                                rng.random(), 0.005, 0.0008))
+                                rng.random(), 0.005, 0.0008, 0.02 * rng.random()),
+                         kernel_rows=int(rng.choice([0, *rng.integers(1, rows + width + 2, 3)])))
     return (nodes, budgets, samples, rows + int(rng.integers(0, 3)), cost,
             trained_calibration(seed, int(rng.integers(0, 3000))), float(0.002 * rng.random()),
             float(rng.choice([0.0, 0.05, 0.5])))
@@ -87,10 +88,28 @@ def test_the_kernel_drafts_a_likely_chain_and_skips_a_worthless_one():
                                                                          (2, width)),
                        np.array([width, width], np.int32), np.array([[1.0] * width, [0.01] * width], np.float32),
                        np.full((2, width), 2, np.int8), np.array([[20] * width, [1] * width], np.int32))
-    cost = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.0, 0.0, 0.0, 0.0))
+    cost = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.0, 0.0, 0.0, 0.0, 0.0))
     _, _, keep = choose_chain_nodes(nodes, np.full(2, width, np.int32), None, 2, calibration.chain_calibration(),
                                     cost.chain_terms(), 0.0, 0.05)
     assert keep[0, :3].all() and not keep[1].any()
+
+
+@pytest.mark.parametrize(("past_kernel_rows", "kept"), [(0.0, 8), (0.0005, 8), (0.005, 3)])
+def test_a_step_past_the_skinny_gemms_rows_pays_its_jump(past_kernel_rows, kept):
+    """One request, a chain of 8 nodes that each pay for their own cost and a skinny GEMM of 4
+    rows: a jump past it that the last 5 nodes pay for is paid, a dearer one keeps the step within
+    the kernel's rows (3 drafts)."""
+    width = 8
+    nodes = DraftNodes(np.zeros((1, width), np.int32), np.arange(-1, width - 1, dtype=np.int32)[None, :],
+                       np.array([width], np.int32), np.ones((1, width), np.float32), np.full((1, width), 2, np.int8),
+                       np.full((1, width), 20, np.int32))
+    calibration = AcceptanceCalibration()
+    calibration.observe(np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
+    cost = StepCostModel(prior=(0.02, 0.001, 1e-6, 0.0, 0.0, 0.0, 0.0, past_kernel_rows), prior_steps=1e9,
+                         kernel_rows=4)
+    _, chance, keep = choose_chain_nodes(nodes, np.array([width], np.int32), None, 1,
+                                         calibration.chain_calibration(), cost.chain_terms(), 0.0, 0.05)
+    assert keep[0].sum() == kept and keep[0, :kept].all(), chance
 
 
 def test_a_lookup_outside_the_table_is_refused():

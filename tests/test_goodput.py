@@ -26,7 +26,7 @@ CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
 
 def cost_model(base: float, per_request: float, per_token: float, steps: int = 200) -> StepCostModel:
     """A model that has learned an exact linear curve from varied steps."""
-    model = StepCostModel(prior=(base, per_request, per_token, 0.0, 0.0, 0.0, 0.0))
+    model = StepCostModel(prior=(base, per_request, per_token, 0.0, 0.0, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(0)
     for _ in range(steps):
         reqs, extra = int(rng.integers(1, 33)), int(rng.integers(0, 129))
@@ -84,6 +84,22 @@ def test_the_chooser_keeps_the_most_likely_nodes_across_rows_and_whole_paths():
     assert chance[choice.keep].min() >= choice.threshold * 0.999
 
 
+def test_cost_model_learns_the_jump_past_the_skinny_gemms_rows():
+    """Steps of more than ``kernel_rows`` tokens pay once more; the step without drafts pays it
+    when its requests alone are too many."""
+    model = StepCostModel(prior=(0.05, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0, 0.0), kernel_rows=16)  # h unknown
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        reqs, drafts = int(rng.integers(1, 17)), int(rng.integers(0, 12))
+        model.observe(0.05 + 0.002 * reqs + 0.0015 * drafts + 0.01 * (reqs + drafts > 16), reqs, reqs + drafts)
+    jump = model.coefficients[7]
+    assert 0.006 < jump < 0.011  # learned; the ridge pulls it towards the prior's 0
+    assert model.idle_seconds(17) - model.idle_seconds(16) == pytest.approx(model.coefficients[1] + jump)
+    drafted = model.predict(8, np.array([16, 17]))
+    assert drafted[1] - drafted[0] == pytest.approx(model.coefficients[2] + jump)
+    assert StepCostModel().past_kernel_rows([1, 1000]).tolist() == [False, False]  # no bound: never past it
+
+
 def test_depths_and_path_products_of_a_tree():
     parents = np.array([[-1, -1, 0, 2, 1]], np.int32)
     np.testing.assert_array_equal(node_depths(parents), [[0, 0, 1, 2, 1]])
@@ -135,7 +151,7 @@ def test_prompt_tokens_do_not_pull_down_what_a_draft_token_costs():
 
 
 def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0, 0.0))
     for _ in range(100):
         model.observe(0.08, 8, 8)  # never any drafts: the per-token cost is not observable
     assert model.coefficients[2] == pytest.approx(0.0015, rel=0.05)
@@ -243,9 +259,9 @@ def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
     main = main_paths(parents, first_children(parents, np.full(2, 4)))
     assert main.tolist() == [[True, False, True, False]] * 2
     candidates = NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([500, 500]))
-    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
-    dear_per_node = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05, 0.0, 0.0, 0.0), prior_steps=1e9)
-    dear_per_step = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.05, 0.0), prior_steps=1e9)
+    cheap = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
+    dear_per_node = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.05, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
+    dear_per_step = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.05, 0.0, 0.0), prior_steps=1e9)
     assert choose_nodes(candidates, cheap, 0.0, 0.05).keep.all()
     for dear in (dear_per_node, dear_per_step):
         np.testing.assert_array_equal(choose_nodes(candidates, dear, 0.0, 0.05).keep, main)
@@ -257,7 +273,7 @@ def test_branches_over_long_contexts_cost_more():
     parents = np.array([[-1, -1, 0, 1]] * 2, np.int32)
     chance = path_products(np.array([[0.8, 0.6, 0.9, 0.9]] * 2), parents)
     main = main_paths(parents, first_children(parents, np.full(2, 4)))
-    model = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.004, 0.0, 0.0, 0.0), prior_steps=1e9)
+    model = StepCostModel(prior=(0.02, 0.001, 0.0005, 0.004, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
     keep = choose_nodes(NodeCandidates(chance, np.full(2, 4), 2, main, context_tokens=np.array([100, 8000])),
                         model, 0.0, 0.0).keep
     assert keep[0].all()
@@ -265,7 +281,7 @@ def test_branches_over_long_contexts_cost_more():
 
 
 def test_cost_model_learns_the_price_of_tree_attention():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(3)
     for _ in range(400):
         reqs, extra = int(rng.integers(1, 9)), int(rng.integers(0, 40))
@@ -277,7 +293,7 @@ def test_cost_model_learns_the_price_of_tree_attention():
 
 
 def test_cost_model_learns_what_a_sampled_draft_token_adds():
-    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0))
+    model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0, 0.0))
     rng = np.random.default_rng(4)
     for _ in range(300):
         reqs, extra = int(rng.integers(1, 9)), int(rng.integers(0, 40))
@@ -292,11 +308,11 @@ def test_nodes_of_sampling_requests_pay_for_their_dearer_verification():
     fewer nodes than the greedy rows, and none once verification is dear enough."""
     chance = chain_chances(0.6)
     samples = np.array([True, True, False, False])
-    dear = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.005, 0.0, 0.0), prior_steps=1e9)
+    dear = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.005, 0.0, 0.0, 0.0), prior_steps=1e9)
     choice = choose_nodes(NodeCandidates(chance, np.full(4, 8), 4, samples=samples), dear, 0.0, 0.0)
     kept = choice.keep.sum(axis=1)
     assert kept[2] == kept[3] > kept[0] == kept[1]
-    prohibitive = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.5, 0.0, 0.0), prior_steps=1e9)
+    prohibitive = StepCostModel(prior=(0.02, 0.001, 0.001, 0.0, 0.5, 0.0, 0.0, 0.0), prior_steps=1e9)
     choice = choose_nodes(NodeCandidates(chance, np.full(4, 8), 4, samples=samples), prohibitive, 0.0, 0.0)
     assert not choice.keep[:2].any() and choice.keep[2:].any()
 
@@ -314,16 +330,16 @@ def test_a_bucket_no_longer_drafted_drifts_back_to_its_prior():
 
 
 def test_searches_are_skipped_only_while_no_node_could_pay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.02, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9))
     # A verified token costs as much as a step's worth of tokens: no first node can pay.
     assert not budget.worth_searching(2, 2).any()
-    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
+    budget.cost = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9)
     assert budget.worth_searching(2, 2).all()
     assert budget.stats.skipped_rows == 2
 
 
 def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9),
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9),
                            calibration=AcceptanceCalibration(decay_every=50))
     nodes = nodes_of(np.ones((1, 1)), np.full((1, 1), -1, np.int32), SOURCE_CONTEXT, 1)
     bucket = budget.calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
@@ -338,7 +354,7 @@ def test_a_drafter_whose_first_nodes_fail_stops_searching_until_decay():
 
 
 def test_a_slow_search_must_pay_for_itself():
-    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9))
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9))
     assert budget.worth_searching(1, 1).all()  # 0.5 prior chance vs a cheap token
     budget.search_seconds_per_row = 0.05  # a search takes as long as a step
     assert not budget.worth_searching(1, 1).any()

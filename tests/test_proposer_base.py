@@ -137,7 +137,7 @@ class RecordingSession:
 def goodput_budget(per_token_seconds: float):
     from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
 
-    cost = StepCostModel(prior=(0.05, 0.002, per_token_seconds, 0.0, 0.0, 0.0, 0.0), prior_steps=1e6)
+    cost = StepCostModel(prior=(0.05, 0.002, per_token_seconds, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e6)
     return GoodputBudget(margin=0.05, cost=cost)
 
 

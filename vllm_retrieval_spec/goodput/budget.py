@@ -119,11 +119,13 @@ class GoodputBudget:
     _pending: PendingNodes | None = None
 
     @classmethod
-    def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1) -> GoodputBudget:
-        """One runner's budget: the device's cost prior and, with more than one
-        tensor-parallel rank, the first rank's clock for step and drafting times."""
+    def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1,
+                   kernel_rows: int = 0) -> GoodputBudget:
+        """One runner's budget: the device's cost prior, the most tokens a step runs the CPU's
+        skinny GEMM on (0: none) and, with more than one tensor-parallel rank, the first rank's
+        clock for step and drafting times."""
         clock = tensor_parallel_clock(tensor_parallel_size)
-        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock), clock=clock)
+        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock, kernel_rows), clock=clock)
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
         """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""
@@ -250,15 +252,15 @@ class GoodputBudget:
 
     def log_summary(self) -> None:
         """The learned step cost and what the budget kept and saw accepted (logged periodically)."""
-        a, b, c, d, e, f, g = (1000 * x for x in self.cost.coefficients)
+        a, b, c, d, e, f, g, h = (1000 * x for x in self.cost.coefficients)
         stats = self.stats
         logger.info(
             "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.3f ms/thousand tree-attention "
-            "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step + %.3f ms/prefill token; kept %d "
-            "of %d candidate nodes over %d steps (%d drafted), %d of %d observed nodes accepted, %d searches "
-            "skipped; branch roots' chances x %.2f", a, b, c, d, e, f, g,
-            stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps, stats.accepted_nodes,
-            stats.observed_nodes, stats.skipped_rows, self.branches.factor,
+            "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step + %.3f ms/prefill token + "
+            "%.1f ms/step past the skinny GEMM's rows; kept %d of %d candidate nodes over %d steps (%d drafted), "
+            "%d of %d observed nodes accepted, %d searches skipped; branch roots' chances x %.2f",
+            a, b, c, d, e, f, g, h, stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps,
+            stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows, self.branches.factor,
         )
 
     def chance_table(self) -> ChanceTable:

@@ -1,24 +1,26 @@
 """The running engine's step-cost curve, learned online from real steps.
 
-One target step (drafting excluded) takes
-``t(B, N, W, S, P) = a + b·B + c·(N − B − P) + d·W + e·S + f·[W > 0] + g·P`` seconds for ``B``
-requests, ``N`` scheduled tokens (``N − B − P`` of them drafts to verify), ``P`` prompt tokens
-beyond one per request (prefill chunks, far cheaper per token on a CPU, whose matmuls gain
-efficiency with the token count: in one term with the drafts, a few long prefills pulled the
-fitted draft cost to half its true value and the chooser drafted too deep), ``W`` thousands of
-(tree node × context token) pairs that tree attention recomputes (the nodes after each branching
-tree's leading chain, each over its request's context; ``f`` is what a step with any such node
-pays once: the per-layer kernel calls and the KV compaction) and ``S`` draft tokens of requests
-that sample (temperature > 0: verifying them needs the target's distribution, not only its
-argmax). The fit is least squares over decaying sums, pulled towards a start-up prior
-by a ridge worth ``prior_steps`` steps, so that the per-token cost ``c`` stays sensible while steps
-do not yet vary in their token counts. Only a few: where every step has the same number of requests
-the data fix ``a + b·B`` but not the split, and a prior base far from the engine's (the CPU prior's
-40 ms against 24 ms measured at 8 in flight) pulled ``c`` a quarter below what the logged steps of
-that run fit by least squares (0.68 against 0.89 ms with the ridge worth 16 steps, 0.81 with 4),
-and the chooser drafted nodes that cost more than they gave. Steps far slower than predicted (an
-idle engine waiting for requests) are not learned from. On tensor-parallel engines the step times are the first rank's
-(``clock``, ``ranks.py``).
+One target step (drafting excluded) takes ``t(B, N, W, S, P) = a + b·B + c·(N − B − P) + d·W + e·S +
+f·[W > 0] + g·P + h·[N > R]`` seconds for ``B`` requests, ``N`` scheduled tokens (``N − B − P`` of
+them drafts to verify), ``P`` prompt tokens beyond one per request (prefill chunks, far cheaper per
+token on a CPU, whose matmuls gain efficiency with the token count: in one term with the drafts, a
+few long prefills pulled the fitted draft cost to half its true value and the chooser drafted too
+deep), ``W`` thousands of (tree node × context token) pairs that tree attention recomputes (the
+nodes after each branching tree's leading chain, each over its request's context; ``f`` is what a
+step with any such node pays once: the per-layer kernel calls and the KV compaction), ``S`` draft
+tokens of requests that sample (temperature > 0: verifying them needs the target's distribution, not
+only its argmax); ``h`` is what a step of more than ``R`` tokens pays once on a CPU whose skinny
+GEMM takes steps of at most ``R`` rows (``cpu_gemm_max_rows``): it runs oneDNN's GEMM instead, ~10
+ms more than the linear terms at the crossing at 8 in flight on the 2-core VM, which a step of 32
+requests crosses with its first draft token. The fit is least squares over decaying sums, pulled
+towards a start-up prior by a ridge worth ``prior_steps`` steps, so that the per-token cost ``c``
+stays sensible while steps do not yet vary in their token counts. Only a few: where every step has
+the same number of requests the data fix ``a + b·B`` but not the split, and a prior base far from
+the engine's (the CPU prior's 40 ms against 24 ms measured at 8 in flight) pulled ``c`` a quarter
+below what the logged steps of that run fit by least squares (0.68 against 0.89 ms with the ridge
+worth 16 steps, 0.81 with 4), and the chooser drafted nodes that cost more than they gave. Steps far
+slower than predicted (an idle engine waiting for requests) are not learned from. On tensor-parallel
+engines the step times are the first rank's (``clock``, ``ranks.py``).
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ from vllm_retrieval_spec.kernels.chain_choice import ChainStepCost
 # results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
 # 4,000 tokens (results/tree_attention_cuda.json).
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005, 0.0008),
-    "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005, 0.000018),
+    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005, 0.0008, 0.0),
+    "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005, 0.000018, 0.0),
 }
 COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step",
-              "prefill_token")
+              "prefill_token", "past_kernel_rows")
 FEATURES = len(COST_TERMS)
-RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0, 64.0])  # a typical step's value of each feature
+RIDGE_SCALES = np.array([1.0, 8.0, 8.0, 8.0, 8.0, 1.0, 64.0, 1.0])  # a typical step's value of each feature
 OUTLIER_FACTOR = 3.0
 
 
@@ -67,6 +69,7 @@ class StepCostModel:
     prior: tuple[float, ...] = PRIORS["cpu"]
     forgetting: float = 0.99
     prior_steps: float = 4.0
+    kernel_rows: int = 0  # R: the most tokens a step runs the CPU's skinny GEMM on (0: no such bound)
     steps: int = 0
     rejected: int = 0
     clock: SharedClock | None = field(default=None, repr=False)  # None: this process's step times
@@ -82,12 +85,12 @@ class StepCostModel:
         self._ridge_prior = self._ridge @ np.asarray(self.prior, np.float64)
 
     @classmethod
-    def for_device(cls, device_type: str, clock: SharedClock | None = None) -> StepCostModel:
-        return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]), clock=clock)
+    def for_device(cls, device_type: str, clock: SharedClock | None = None, kernel_rows: int = 0) -> StepCostModel:
+        return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]), clock=clock, kernel_rows=kernel_rows)
 
     @property
     def coefficients(self) -> np.ndarray:
-        """``(a, b, c, d, e, f, g)`` in seconds, each at least zero (``COST_TERMS``)."""
+        """``(a, b, c, d, e, f, g, h)`` in seconds, each at least zero (``COST_TERMS``)."""
         if self._theta is None:
             self._theta = self._solve()
         return self._theta
@@ -115,12 +118,18 @@ class StepCostModel:
         """Seconds of a step of ``num_reqs`` requests without drafts (``predict(num_reqs,
         num_reqs)``, in scalars)."""
         a, b = self.coefficients[:2].tolist()
-        return a + b * num_reqs
+        return a + b * num_reqs + float(self.coefficients[7]) * bool(self.past_kernel_rows(num_reqs))
+
+    def past_kernel_rows(self, num_tokens: np.ndarray | float) -> np.ndarray:
+        """Whether a step of ``num_tokens`` tokens is too large for the skinny GEMM."""
+        if self.kernel_rows <= 0:
+            return np.zeros(np.shape(num_tokens), bool)
+        return np.asarray(num_tokens) > self.kernel_rows
 
     def chain_terms(self) -> ChainStepCost:
         """The terms a step verifying chains reads (no tree attention, no prefill)."""
-        a, b, c, _, e, _, _ = self.coefficients.tolist()
-        return ChainStepCost(a, b, c, e)
+        a, b, c, _, e, _, _, h = self.coefficients.tolist()
+        return ChainStepCost(a, b, c, e, self.kernel_rows, h)
 
     def predict(self, num_reqs: float, num_tokens: np.ndarray | float, tree_work: np.ndarray | float = 0,
                 sampled: np.ndarray | float = 0, prefill_tokens: float = 0) -> np.ndarray:
@@ -128,11 +137,11 @@ class StepCostModel:
         ``prefill_tokens`` prompt tokens beyond one per request, the rest beyond ``num_reqs``
         drafts), ``tree_work`` thousand tree-attention node-context pairs and ``sampled`` draft
         tokens of requests that sample."""
-        a, b, c, d, e, f, g = self.coefficients
+        a, b, c, d, e, f, g, h = self.coefficients
         drafts = np.asarray(num_tokens, np.float64) - num_reqs - prefill_tokens
         tree_work = np.asarray(tree_work, np.float64)
         return (a + b * num_reqs + c * drafts + d * tree_work + e * np.asarray(sampled) + f * (tree_work > 0)
-                + g * prefill_tokens)
+                + g * prefill_tokens + h * self.past_kernel_rows(num_tokens))
 
     def observe(self, seconds: float, num_reqs: int, num_tokens: int, tree_work: float = 0.0,
                 sampled: int = 0, prefill_tokens: int = 0) -> bool:
@@ -143,7 +152,8 @@ class StepCostModel:
             return False
         prefill_tokens = min(max(prefill_tokens, 0), max(num_tokens - num_reqs, 0))
         drafts = max(num_tokens - num_reqs - prefill_tokens, 0)
-        x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens])
+        x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens,
+                      float(self.past_kernel_rows(num_tokens))])
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * float(self.coefficients @ x):
             self.rejected += 1
             return False

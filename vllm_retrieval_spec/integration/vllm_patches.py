@@ -265,7 +265,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     ranks = runner.parallel_config.tensor_parallel_size  # > 1: every rank must draft what the first does
     budget = None
     if options.budget == "auto":
-        budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks)
+        kernel_rows = options.cpu_gemm_max_rows if runner.device.type == "cpu" else 0
+        budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks, kernel_rows)
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)

@@ -46,13 +46,16 @@ class ChainCalibration:
 
 @dataclass(frozen=True)
 class ChainStepCost:
-    """The step-cost terms a chain step reads (seconds): a step, a request, a draft token and a
-    sampling request's draft token beyond that."""
+    """The step-cost terms a chain step reads (seconds): a step, a request, a draft token, a
+    sampling request's draft token beyond that, and a step of more than ``kernel_rows`` tokens
+    once (0 rows: no such bound)."""
 
     base: float
     per_request: float
     per_token: float
     per_sampled_token: float
+    kernel_rows: int = 0
+    past_kernel_rows: float = 0.0
 
 
 def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarray | None, num_reqs: int,
@@ -69,7 +72,7 @@ def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarr
         num_reqs, calibration.chances, calibration.accepted, calibration.observed, calibration.first_accepted,
         calibration.first_observed, calibration.length_bucket, calibration.depth_bucket, calibration.strength,
         calibration.raw_prior_scale, calibration.min_chance, calibration.max_chance, cost.base, cost.per_request,
-        cost.per_token, cost.per_sampled_token, draft_seconds, margin,
+        cost.per_token, cost.per_sampled_token, cost.kernel_rows, cost.past_kernel_rows, draft_seconds, margin,
     )
 
 
