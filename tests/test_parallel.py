@@ -52,7 +52,8 @@ ALPHABET = 3  # few distinct tokens: many in-context matches, branching trees, s
 # (seconds per clock reading, seconds per target step): on rank 1 drafting looks 500 times
 # dearer, so alone it skips its searches at first, and it learns another step cost.
 CLOCKS = ((0.0002, 0.030), (0.1, 0.090))
-PRIOR = (0.04, 0.002, 0.0015, 0.0001, 0.0002, 0.0005, 0.0008, 0.0)  # the CPU prior but cheap tree attention: trees branch
+# The CPU prior but cheap tree attention: trees branch.
+PRIOR = (0.04, 0.002, 0.0015, 0.0001, 0.0002, 0.0005, 0.0008, 0.0)
 
 
 class FakeClock:
