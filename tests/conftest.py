@@ -149,7 +149,8 @@ def ngram_table_dir(model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def plain_server(model_dir: Path) -> Iterator[VllmServer]:
     """An OpenAI server without speculation (max_model_len 2048, PLAIN_SERVER_SEQUENCES in flight):
-    the reference of every server test, started once for the session (a start costs ~50 s here)."""
+    the reference of the fault, load and from-server tests, started once for the session (a start
+    costs ~50 s here)."""
     with VllmServer(model_dir, extra_args=["--max-num-seqs", str(PLAIN_SERVER_SEQUENCES)]) as server:
         yield server
 
