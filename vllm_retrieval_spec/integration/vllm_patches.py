@@ -265,8 +265,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     ranks = runner.parallel_config.tensor_parallel_size  # > 1: every rank must draft what the first does
     budget = None
     if options.budget == "auto":
-        kernel_rows = options.cpu_gemm_max_rows if runner.device.type == "cpu" else 0
-        budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks, kernel_rows)
+        budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks,
+                                          _skinny_gemm_rows(runner, options))
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
@@ -320,8 +320,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         _rewind_discarded_samples_by_state(runner)
     if session.tree_mode:
         _install_tree_attention(runner, session)
-    if runner.device.type == "cpu" and options.cpu_gemm_max_rows > 0:
-        _install_skinny_gemm(runner, options.cpu_gemm_max_rows)
+    if rows := _skinny_gemm_rows(runner, options):
+        _install_skinny_gemm(runner, rows)
     _install_sampler(runner, session, options.candidate_replacement)
     return session
 
@@ -447,6 +447,12 @@ def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: 
         return _prepare_inputs
 
     _hook(runner, "_prepare_inputs", plan_step)
+
+
+def _skinny_gemm_rows(runner: GPUModelRunner, options: RetrievalSpecOptions) -> int:
+    """The most tokens a step of this runner computes on the skinny GEMM (0: vLLM's GEMM on
+    every step: GPUs, or ``cpu_gemm_max_rows`` 0)."""
+    return options.cpu_gemm_max_rows if runner.device.type == "cpu" else 0
 
 
 def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
