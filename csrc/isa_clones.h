@@ -8,3 +8,6 @@
 #define VRS_ISA_CLONES
 #endif
 #define VRS_INLINE inline __attribute__((always_inline))
+// A lambda's body is a function of its own, compiled for baseline x86-64 unless it is inlined
+// into the clone that calls it: lambdas in a cloned function's hot loops carry this.
+#define VRS_LAMBDA_INLINE __attribute__((always_inline))

@@ -1,6 +1,7 @@
 // The process-wide thread pool behind parallel_for (parallel.h).
 #include "parallel.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -95,5 +96,45 @@ ThreadPool& pool() {
 bool run_on_pool(int participants, void (*task)(void*) noexcept, void* context) {
   return pool().try_run(participants, task, context);
 }
+
+namespace {
+
+struct OpenMpTeam {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
+  int (*max_threads)() = nullptr;
+
+  OpenMpTeam() {
+    parallel = reinterpret_cast<decltype(parallel)>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    thread_num = reinterpret_cast<decltype(thread_num)>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
+    num_threads = reinterpret_cast<decltype(num_threads)>(dlsym(RTLD_DEFAULT, "omp_get_num_threads"));
+    max_threads = reinterpret_cast<decltype(max_threads)>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+    if (!thread_num || !num_threads || !max_threads) parallel = nullptr;
+  }
+
+  static const OpenMpTeam& get() {
+    static const OpenMpTeam team;
+    return team;
+  }
+};
+
+}  // namespace
+
+int omp_team_threads() {
+  const OpenMpTeam& team = OpenMpTeam::get();
+  return team.parallel ? std::max(1, team.max_threads()) : 1;
+}
+
+bool run_on_omp_team(int threads, void (*task)(void*), void* context) {
+  const OpenMpTeam& team = OpenMpTeam::get();
+  if (!team.parallel) return false;
+  team.parallel(task, context, static_cast<unsigned>(threads), 0);
+  return true;
+}
+
+int omp_team_member() { return OpenMpTeam::get().thread_num(); }
+
+int omp_team_size() { return OpenMpTeam::get().num_threads(); }
 
 }  // namespace vrs

@@ -1,4 +1,5 @@
-// parallel_for on a persistent, process-wide thread pool.
+// parallel_for on a persistent, process-wide thread pool, and team_parallel_for on the OpenMP
+// team torch runs on.
 //
 // The pool is created on first use; its workers sleep on a condition variable between calls,
 // so thread-local workspaces (e.g. REST's trie) persist from one call to the next. A kernel
@@ -37,6 +38,19 @@ struct ThreadPlan {
 // Returns false, running nothing, when another call holds the pool (a second Python thread, or
 // a nested call): the caller then runs alone.
 bool run_on_pool(int participants, void (*task)(void*) noexcept, void* context);
+
+// torch's OpenMP team (libgomp, looked up among the libraries already loaded): its size, or 1
+// without one. Kernels that run between torch's operators use it rather than the pool: its
+// threads spin a while after each operator, so a second set of threads would wait for the cores.
+int omp_team_threads();
+
+// Runs task(context) on `threads` members of torch's OpenMP team (the caller one of them);
+// false, running nothing, without a team.
+bool run_on_omp_team(int threads, void (*task)(void*), void* context);
+
+// Inside a task run by run_on_omp_team: this member's number and the team's size.
+int omp_team_member();
+int omp_team_size();
 
 namespace detail {
 
@@ -83,6 +97,26 @@ void parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
     }
   }
   for (int64_t i = 0; i < n_items; ++i) fn(i);
+}
+
+// parallel_for on torch's OpenMP team (plan's threads, at most the team's size) where there is
+// one, else on the pool.
+// (The team's size, not this thread's affinity, bounds it: vLLM's CPU worker pins each member of
+// the team to one core, the calling thread included.)
+template <typename Fn>
+void team_parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
+  const int team = omp_team_threads();
+  const ThreadPlan on_team{plan.max_threads > 0 ? std::min(plan.max_threads, team) : team, plan.work, plan.grain};
+  const int threads = on_team.threads(n_items);
+  if (threads > 1) {
+    const int64_t chunk = std::max<int64_t>(1, n_items / (8 * threads));
+    detail::SharedLoop<Fn> loop(fn, n_items, chunk);
+    if (run_on_omp_team(threads, &detail::SharedLoop<Fn>::run, &loop)) {
+      if (loop.error) std::rethrow_exception(loop.error);
+      return;
+    }
+  }
+  parallel_for(n_items, plan, fn);
 }
 
 }  // namespace vrs

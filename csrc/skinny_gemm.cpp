@@ -3,12 +3,11 @@
 // the result is compared with a float64 reference within a tolerance, as oneDNN's would be.
 #include "skinny_gemm.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstring>
 
 #include "isa_clones.h"
+#include "parallel.h"
 
 namespace vrs {
 namespace {
@@ -85,27 +84,6 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
   }
 }
 
-// torch's OpenMP runtime (libgomp), looked up among the libraries already loaded.
-struct OpenMpTeam {
-  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
-  int (*thread_num)() = nullptr;
-  int (*num_threads)() = nullptr;
-  int (*max_threads)() = nullptr;
-
-  OpenMpTeam() {
-    parallel = reinterpret_cast<decltype(parallel)>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
-    thread_num = reinterpret_cast<decltype(thread_num)>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
-    num_threads = reinterpret_cast<decltype(num_threads)>(dlsym(RTLD_DEFAULT, "omp_get_num_threads"));
-    max_threads = reinterpret_cast<decltype(max_threads)>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
-    if (!thread_num || !num_threads || !max_threads) parallel = nullptr;
-  }
-
-  static const OpenMpTeam& get() {
-    static const OpenMpTeam team;
-    return team;
-  }
-};
-
 struct TeamTask {
   const SkinnyGemmArgs* args;
   int64_t panels;
@@ -114,20 +92,15 @@ struct TeamTask {
 // One team member's share of the panels.
 void run_share(void* context) {
   const auto& task = *static_cast<const TeamTask*>(context);
-  const OpenMpTeam& team = OpenMpTeam::get();
-  const int64_t threads = team.num_threads(), me = team.thread_num();
+  const int64_t threads = omp_team_size(), me = omp_team_member();
   panels(*task.args, task.panels * me / threads, task.panels * (me + 1) / threads);
 }
 
 }  // namespace
 
-int skinny_gemm_threads() {
-  const OpenMpTeam& team = OpenMpTeam::get();
-  return team.parallel ? std::max(1, team.max_threads()) : 1;
-}
+int skinny_gemm_threads() { return omp_team_threads(); }
 
 void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
-  const OpenMpTeam& team = OpenMpTeam::get();
   const int64_t count = (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel;
   const int64_t threads = std::min<int64_t>(skinny_gemm_threads(), count / kPanelsPerThread);
   if (threads <= 1) {
@@ -135,7 +108,7 @@ void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
     return;
   }
   TeamTask task{&args, count};
-  team.parallel(&run_share, &task, static_cast<unsigned>(threads), 0);
+  run_on_omp_team(static_cast<int>(threads), &run_share, &task);
 }
 
 }  // namespace vrs

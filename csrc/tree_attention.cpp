@@ -1,7 +1,8 @@
-// CPU backend of tree attention (tree_attention.h): threads over (tile of up to kTileNodes
-// nodes of one request, kv head). A task scores each context block of the cache for all of its
-// query rows at once (the block stays in L1), folds it into a per-row online softmax, then adds
-// each node's ancestors; a row masks the keys before its sliding window (blocks before every
+// CPU backend of tree attention (tree_attention.h): torch's OpenMP team over (tile of up to
+// kTileNodes nodes of one request, kv head). A task scores each context block of the cache for
+// all of its query rows at once (the block stays in L1; up to 6 rows × 2 chunks of keys, or of
+// value dimensions, share each load), folds it into a per-row online softmax, then adds each
+// node's ancestors; a row masks the keys before its sliding window (blocks before every
 // row's window are skipped), soft-caps its scores and starts its softmax from its sink. The hot
 // function is compiled for AVX-512, AVX2+FMA and baseline x86-64 (picked at load time); this
 // file alone may contract multiply-adds (CMakeLists.txt).
@@ -11,6 +12,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "isa_clones.h"
@@ -21,10 +23,10 @@ namespace vrs {
 namespace {
 
 constexpr int kTileNodes = 8;
-constexpr int kChunk = 16;  // keys scored together (one AVX-512 register of floats)
-// Multiply-adds worth one thread: waking a pooled worker costs ~90 µs on a small VM, so a tree
-// step's usual few nodes over a few hundred keys (~2M multiply-adds) run on the calling thread.
-constexpr int64_t kAttentionGrain = int64_t{1} << 21;
+constexpr int kChunk = 8;  // keys scored together (one AVX2 register of floats)
+// Multiply-adds worth one more thread of torch's OpenMP team (its threads spin between torch's
+// operators, so waking one costs a few µs).
+constexpr int64_t kAttentionGrain = int64_t{1} << 18;
 
 struct BFloat16 {
   uint16_t bits;
@@ -167,9 +169,27 @@ struct TaskView {
   }
 };
 
-// Rows handled together by the inner loops: kRowBlock accumulators share every key or value
-// load and hide the multiply-add latency.
-constexpr int kRowBlock = 4;
+// Rows handled together by the inner loops: up to kRowBlock accumulators share every key or
+// value load and hide the multiply-add latency (a GQA group of 3 rows runs as one block of 3).
+constexpr int kRowBlock = 6;
+
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+// fn(Rows<R>{}, r) for blocks of R <= kRowBlock rows from r on, covering [begin, end).
+template <typename Fn>
+VRS_INLINE void for_row_blocks(int begin, int end, Fn&& fn) {
+  int r = begin;
+  for (; r + kRowBlock <= end; r += kRowBlock) fn(Rows<kRowBlock>{}, r);
+  switch (end - r) {
+    case 5: fn(Rows<5>{}, r); break;
+    case 4: fn(Rows<4>{}, r); break;
+    case 3: fn(Rows<3>{}, r); break;
+    case 2: fn(Rows<2>{}, r); break;
+    case 1: fn(Rows<1>{}, r); break;
+    default: break;
+  }
+}
 
 // acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R).
 template <int R, typename T, typename ValueAt>
@@ -182,6 +202,19 @@ VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, con
     acc[i] = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size;
   }
   int d0 = 0;
+  for (; d0 + 2 * kChunk <= head_size; d0 += 2 * kChunk) {  // two chunks: 2R accumulators, 2 loads
+    VFloat sums[R][2];
+    for (int i = 0; i < R; ++i) sums[i][0] = load_chunk(acc[i] + d0), sums[i][1] = load_chunk(acc[i] + d0 + kChunk);
+    for (int t = 0; t < n; ++t) {
+      const T* v = cache + value_at(t) + d0;
+      const VFloat v0 = load_chunk(v), v1 = load_chunk(v + kChunk);
+      for (int i = 0; i < R; ++i) {
+        sums[i][0] += p[i][t] * v0;
+        sums[i][1] += p[i][t] * v1;
+      }
+    }
+    for (int i = 0; i < R; ++i) store_chunk(acc[i] + d0, sums[i][0]), store_chunk(acc[i] + d0 + kChunk, sums[i][1]);
+  }
   for (; d0 + kChunk <= head_size; d0 += kChunk) {
     VFloat sums[R];
     for (int i = 0; i < R; ++i) sums[i] = load_chunk(acc[i] + d0);
@@ -238,24 +271,28 @@ VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int 
     float* acc = ws.acc.data() + static_cast<int64_t>(r) * head_size;
     for (int d = 0; d < head_size; ++d) acc[d] *= correction;
   }
-  int r = row_begin;
-  for (; r + kRowBlock <= row_end; r += kRowBlock)
-    accumulate_rows<kRowBlock>(ws, r, n, head_size, cache, value_at);
-  for (; r < row_end; ++r) accumulate_rows<1>(ws, r, n, head_size, cache, value_at);
+  for_row_blocks(row_begin, row_end, [&](auto block, int r) VRS_LAMBDA_INLINE {
+    accumulate_rows<decltype(block)::value>(ws, r, n, head_size, cache, value_at);
+  });
 }
 
-// Scores of rows [r0, r0 + R) for the keys [t0, t0 + kChunk) of a transposed block.
-template <int R, typename T>
-VRS_INLINE void score_chunk(Workspace& ws, int r0, int t0, int head_size, const T* keys,
-                            int64_t key_d) {
-  VFloat sums[R] = {};
+// Scores of rows [r0, r0 + R) for the keys [t0, t0 + C * kChunk) of a transposed block (C
+// chunks of keys: R * C accumulators share each load).
+template <int R, int C, typename T>
+VRS_INLINE void score_chunks(Workspace& ws, int r0, int t0, int head_size, const T* keys,
+                             int64_t key_d) {
+  VFloat sums[R][C] = {};
   const float* q[R];
   for (int i = 0; i < R; ++i) q[i] = ws.q.data() + static_cast<int64_t>(r0 + i) * head_size;
   for (int d = 0; d < head_size; ++d) {
-    const VFloat k = load_chunk(keys + d * key_d + t0);
-    for (int i = 0; i < R; ++i) sums[i] += q[i][d] * k;
+    VFloat k[C];
+    for (int c = 0; c < C; ++c) k[c] = load_chunk(keys + d * key_d + t0 + c * kChunk);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) sums[i][c] += q[i][d] * k[c];
   }
-  for (int i = 0; i < R; ++i) store_chunk(ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride + t0, sums[i]);
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c)
+      store_chunk(ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride + t0 + c * kChunk, sums[i][c]);
 }
 
 // Scores of the first n keys of one context block (key (t, d) at keys[t * key_t + d * key_d])
@@ -269,11 +306,14 @@ VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int b
   int t0 = 0;
   if (st.key_t == 1) {  // keys transposed: vectorize over keys, whole chunks within the block
     const int full = std::min(n, block_size - block_size % kChunk);
-    for (; t0 < full; t0 += kChunk) {
-      int r = 0;
-      for (; r + kRowBlock <= rows; r += kRowBlock) score_chunk<kRowBlock>(ws, r, t0, head_size, keys, st.key_d);
-      for (; r < rows; ++r) score_chunk<1>(ws, r, t0, head_size, keys, st.key_d);
-    }
+    for (; t0 + 2 * kChunk <= full; t0 += 2 * kChunk)
+      for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
+        score_chunks<decltype(block)::value, 2>(ws, r, t0, head_size, keys, st.key_d);
+      });
+    for (; t0 < full; t0 += kChunk)
+      for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
+        score_chunks<decltype(block)::value, 1>(ws, r, t0, head_size, keys, st.key_d);
+      });
   }
   for (int t = t0; t < n; ++t) {  // the rest, and keys stored as rows
     const T* k = keys + t * st.key_t;
@@ -315,7 +355,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     for (int r = 0; r < rows; ++r) ws.skip[r] = std::max(0, ws.first[r] - start);
     score_block(ws, rows, n, hs, bs, cache + base, st);
     fold_keys(ws, 0, rows, n, hs, cache,
-              [&](int t) { return base + st.value_offset + t * st.value_t; },
+              [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
               a.window > 0 ? ws.skip.data() : nullptr, a.softcap);
   }
   for (int64_t node = tile.begin; node < tile.end; ++node) {  // ancestors and the node itself
@@ -343,7 +383,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
         ws.scores[static_cast<int64_t>(r) * ws.stride + t] = dot;
       }
     }
-    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) { return ws.node_values[t]; },
+    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; },
               nullptr, a.softcap);
   }
   T* out = static_cast<T*>(a.out);
@@ -412,7 +452,7 @@ void tree_attention_cpu(const TreeAttentionArgs& a, int max_threads) {
   work *= static_cast<int64_t>(a.heads) * a.head_size * 2;
   const ThreadPlan plan{max_threads, work, kAttentionGrain};
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * a.kv_heads;
-  parallel_for(tasks, plan, [&](int64_t task) {
+  team_parallel_for(tasks, plan, [&](int64_t task) {
     thread_local Workspace ws;
     const Tile& tile = tiles[task / a.kv_heads];
     const int g = static_cast<int>(task % a.kv_heads);

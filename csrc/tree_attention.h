@@ -61,8 +61,8 @@ struct TreeAttentionArgs {
   float softcap;  // logit soft-cap, 0: none
 };
 
-// CPU threads over (tile of a request's nodes, kv head); throws std::out_of_range on a block
-// id or position outside the cache or the block table.
+// Torch's OpenMP team (or the pool) over (tile of a request's nodes, kv head); throws
+// std::out_of_range on a block id or position outside the cache or the block table.
 void tree_attention_cpu(const TreeAttentionArgs& args, int max_threads);
 
 #ifdef VRS_WITH_CUDA

@@ -82,6 +82,14 @@ class LayerAttention:
     sinks: Any = None
 
 
+def host_view(array: Any) -> Any:
+    """A NumPy view of a CPU torch tensor NumPy can hold (the extension takes it ~4x faster than
+    through DLPack: ~1 µs against ~4 µs an array, 9 arrays a layer); anything else as it is."""
+    if isinstance(array, torch.Tensor) and array.dtype != torch.bfloat16:
+        return array.numpy()
+    return array
+
+
 def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout: KVLayout,
                    attention: LayerAttention, *, num_threads: int = 0) -> None:
     """Overwrite rows ``nodes.rows`` of ``out`` with the attention of those rows' queries over
@@ -91,9 +99,14 @@ def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout
     ``[blocks, kv_heads, block_size, 2 * head_size]``, all on one device, the node arrays
     contiguous.
     """
-    args = (query, kv_cache, out, nodes.rows, nodes.block_table, nodes.request, nodes.context, nodes.index,
-            nodes.ancestors, attention.heads, layout.code, attention.scale)
-    options = {"window": attention.window, "softcap": attention.softcap, "sinks": attention.sinks}
+    arrays = (query, kv_cache, out, nodes.rows, nodes.block_table, nodes.request, nodes.context, nodes.index,
+              nodes.ancestors)
+    if is_cuda_tensor(kv_cache):
+        args, sinks = arrays, attention.sinks
+    else:
+        args, sinks = tuple(map(host_view, arrays)), host_view(attention.sinks)
+    args += (attention.heads, layout.code, attention.scale)
+    options = {"window": attention.window, "softcap": attention.softcap, "sinks": sinks}
     if is_cuda_tensor(kv_cache):
         stream = cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream
         load_extension().tree_attention(*args, stream, **options)
