@@ -260,6 +260,13 @@ class RetrievalSpecOptions:
         "oneDNN's; keeps a packed float32 copy of the linear weights beside oneDNN's. 0: vLLM's GEMM everywhere",
     )
 
+    cpu_step_attention: bool = _option(
+        True, _bool,
+        "CPU build, float32 models: attention of steps bringing 2+ tokens a request (verification) runs the "
+        "plugin's kernel, which reads a request's keys and values once for all its tokens, where vLLM's reads "
+        "them once per token; prefills and one-token decode steps keep vLLM's. false: vLLM's everywhere",
+    )
+
     ngram_table: str = _option(
         "", _string, "N-Grammys: the model's n-gram table directory (empty: the cache default)"
     )

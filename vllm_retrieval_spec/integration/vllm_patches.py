@@ -40,6 +40,7 @@ from vllm_retrieval_spec.proposers.registry import names_this_package
 from vllm_retrieval_spec.verification.admission import refuse_chain_only_features, refuse_unrepeatable_seeds
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
+from vllm_retrieval_spec.verification.step_attention import StepAttention, step_attention_serves
 from vllm_retrieval_spec.verification.tree_attention import TreeLayer, require_supported_attention
 
 if TYPE_CHECKING:
@@ -318,6 +319,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     _hook(runner, "propose_draft_token_ids", begin_step)
     if not generators_have_offsets(runner.device):
         _rewind_discarded_samples_by_state(runner)
+    if options.cpu_step_attention and runner.device.type == "cpu":
+        _install_step_attention(runner, session)
     if session.tree_mode:
         _install_tree_attention(runner, session)
     if rows := _skinny_gemm_rows(runner, options):
@@ -500,6 +503,52 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
     _hook(runner, "load_model", load_with_skinny_gemm)
 
 
+def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> None:
+    """Once the model is loaded, the attention of every float32 ``CPU_ATTN`` decoder layer runs
+    the plugin's kernel on verification steps (:mod:`~vllm_retrieval_spec.verification.step_attention`);
+    installed before tree attention's fix-up, which then wraps it."""
+    if runner.model_config.dtype != torch.float32:
+        logger.info("retrieval_spec.cpu_step_attention: the model runs in %s, not float32; vLLM's attention "
+                    "computes every step", runner.model_config.dtype)
+        return
+    step_attention = session.step_attention = StepAttention()
+
+    def hook_layers(original: Callable) -> Callable:
+        def load_model(*args, **kwargs):
+            result = original(*args, **kwargs)
+            layers = 0
+            for impl in _attention_impls(runner):
+                if step_attention_serves(impl):
+                    _hook(impl, "forward", _step_forward(step_attention, TreeLayer.of(impl, KVLayout.CPU_VEC)))
+                    layers += 1
+            logger.info("retrieval_spec.cpu_step_attention: %d attention layers run the plugin's kernel on "
+                        "verification steps", layers)
+            return result
+
+        return load_model
+
+    _hook(runner, "load_model", hook_layers)
+
+
+def _step_forward(step_attention: StepAttention, tree_layer: TreeLayer) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            if step_attention.forward(layer, tree_layer, query, key, value, kv_cache, attn_metadata, output):
+                return output
+            return original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+        return forward
+
+    return make
+
+
+def _attention_impls(runner: GPUModelRunner) -> list[object]:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return [attention.impl for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values()]
+
+
 def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> None:
     """Tree attention on every attention layer once the model is loaded."""
     if runner.device.type not in ("cpu", "cuda"):
@@ -537,14 +586,12 @@ def _hook_attention_layers(runner: GPUModelRunner, session: SpecSession) -> None
     """After each attention layer's backend forward, the session recomputes the draft rows of
     branching trees with the tree mask."""
     from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
     if get_layers_from_vllm_config(runner.vllm_config, MambaBase):
         raise TreeModeError("tree verification does not support state-space (Mamba) layers, whose state a "
                             "branching tree would advance down every branch; use chain mode (tree: false)")
-    for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values():
-        impl = attention.impl
+    for impl in _attention_impls(runner):
         require_supported_attention(impl)  # at start: ALiBi, fp8 KV cache
         tree_layer = TreeLayer.of(impl, kv_layout_of(impl))
 

@@ -24,6 +24,8 @@ drafter, and owns everything that lives between drafting and verification:
   samples has drafts): the trees and draft distributions the sampler walks and, for branching
   trees, depth positions, the tree-attention fix-up and the KV compaction of the accepted
   paths, per KV cache group (sliding-window and full-attention layers have their own);
+- on the CPU build (float32), the :class:`~vllm_retrieval_spec.verification.step_attention.StepAttention`
+  that computes its verification steps' attention (``cpu_step_attention``);
 - its counters and its one-time check of the attention KV layout (per runner, so a second
   engine in the same process checks its own);
 - the runner's Prometheus metrics (``integration/metrics.py``), published once per step
@@ -48,6 +50,7 @@ from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.goodput.cost_model import tree_work
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.verification import tree_attention as ops
+from vllm_retrieval_spec.verification.step_attention import StepAttention
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
 
 if TYPE_CHECKING:
@@ -108,6 +111,7 @@ class SpecSession:
     live_index: LiveIndex | None = None
     learned_dense: LearnedDenseIndex | None = None
     metrics: StepMetrics | None = None
+    step_attention: StepAttention | None = None  # CPU build, float32: cpu_step_attention
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
     requests: dict[str, RequestState] = field(default_factory=dict)
     step_req_ids: list[str] = field(default_factory=list)

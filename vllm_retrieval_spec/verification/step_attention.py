@@ -1,0 +1,135 @@
+"""Attention of decode and verification steps on the CPU build, with the plugin's kernel.
+
+vLLM's CPU attention (``CPU_ATTN``) reads a request's keys and values once per query token: a
+verification step of ``k`` tokens a request costs ``k`` decode steps' attention (~1 ms a token
+over SmolLM2-135M's 30 layers at 600 tokens of context on a 2-core VM, whatever ``k``). The
+tree-attention kernel (:mod:`vllm_retrieval_spec.kernels.attention`) scores each block of a
+request's context for all of its query rows at once, so a step whose requests bring several
+tokens each reads every key and value once. A causal step is a chain: token ``j`` of a request
+whose ``q`` tokens end at position ``L - 1`` has ``L - q`` tokens of context and the step's
+tokens ``0 .. j`` as its ancestors-or-self (:func:`chain_nodes`).
+
+:class:`StepAttention` (one per model runner) takes over a float32 layer's attention on steps
+that bring at least :data:`MIN_TOKENS_PER_REQUEST` tokens a request and none more than
+:data:`MAX_QUERY_TOKENS` (prefills and plain decode steps keep vLLM's kernel, which is faster
+for one token a request); the step's node arrays are built once, with NumPy, for every layer
+of its KV cache group. Keys and values are read where the backend has already written them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from vllm_retrieval_spec.kernels.attention import KVLayout, TreeNodes
+from vllm_retrieval_spec.verification.tree_attention import (
+    TreeAttentionError,
+    TreeLayer,
+    apply_tree_attention,
+    check_layout,
+    require_cpu_isa,
+    unsupported_attention,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_QUERY_TOKENS = 64  # a request's tokens in one step, so that one ancestor word holds them
+MIN_TOKENS_PER_REQUEST = 2  # fewer on average: mostly one-token decodes, where vLLM's kernel is faster
+
+
+def chain_nodes(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> TreeNodes | None:
+    """Every token of a causal step as a node of its request's chain, or None when a request
+    brings more than :data:`MAX_QUERY_TOKENS` tokens or has no context before them (a
+    prefill). ``query_start_loc`` ``[B + 1]``, ``seq_lens`` ``[B]`` (context and the step's
+    tokens), ``block_table`` ``[B, width]``, all on the host."""
+    query_lens = np.diff(query_start_loc)
+    context = seq_lens - query_lens
+    if query_lens.size == 0 or query_lens.max() > MAX_QUERY_TOKENS or context.min() < 1:
+        return None
+    tokens = int(query_start_loc[-1])
+    index = np.arange(tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1], query_lens)
+    ancestors = (np.uint64(2) << index.astype(np.uint64)) - np.uint64(1)  # bits 0..j (all 64 for j = 63)
+    return TreeNodes(
+        rows=np.arange(tokens, dtype=np.int64),
+        block_table=np.ascontiguousarray(block_table, dtype=np.int32),
+        request=np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens),
+        context=np.repeat(context, query_lens).astype(np.int32),
+        index=index.astype(np.int32),
+        ancestors=ancestors.reshape(-1, 1),
+    )
+
+
+def step_attention_serves(impl: object) -> bool:
+    """Whether the kernel can compute this attention layer: a decoder layer of vLLM's CPU
+    backend whose mask and cache tree attention reproduces (no ALiBi, no quantized cache)."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    return (isinstance(impl, CPUAttentionBackendImpl) and impl.attn_type == AttentionType.DECODER
+            and unsupported_attention(impl) is None)
+
+
+class StepAttention:
+    """One runner's attention on decode and verification steps (module docstring): the node
+    arrays of the step's KV cache groups, rebuilt when a group's attention metadata changes.
+    The first step it computes checks that the cache holds the keys and values where the kernel
+    reads them; if not (another ISA or vLLM version), vLLM's kernel computes every step."""
+
+    def __init__(self) -> None:
+        self._metadata: list[object] = []
+        self._nodes: list[TreeNodes | None] = []
+        self.enabled = True
+        self.layer_calls = 0  # layers it computed, over every step
+        self._layout_checked = False
+
+    def nodes_for(self, metadata: object) -> TreeNodes | None:
+        """The chain nodes of this step's group (None: vLLM's kernel computes the step)."""
+        for i, known in enumerate(self._metadata):
+            if known is metadata:
+                return self._nodes[i]
+        if len(self._metadata) > 4:  # a new step: forget the last one's groups
+            self._metadata.clear()
+            self._nodes.clear()
+        nodes = self._build(metadata)
+        self._metadata.append(metadata)
+        self._nodes.append(nodes)
+        return nodes
+
+    @staticmethod
+    def _build(metadata: object) -> TreeNodes | None:
+        batch = metadata.seq_lens.shape[0]
+        if (metadata.num_actual_tokens < MIN_TOKENS_PER_REQUEST * batch or metadata.max_query_len > MAX_QUERY_TOKENS
+                or metadata.causal is not True or getattr(metadata, "dynamic_causal", None) is not None):
+            return None
+        return chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
+                           metadata.block_table[:batch].numpy())
+
+    def forward(self, layer: object, tree_layer: TreeLayer, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, metadata: object, output: torch.Tensor) -> bool:
+        """Compute the layer's attention into ``output`` if this step is one of ours; False
+        (``output`` untouched) where vLLM's kernel should."""
+        if not self.enabled or metadata is None:
+            return False
+        nodes = self.nodes_for(metadata)
+        if nodes is None or not (self._layout_checked or self._check_layout(layer, key, value, kv_cache, metadata)):
+            return False
+        tokens = metadata.num_actual_tokens
+        apply_tree_attention(query[:tokens], kv_cache, output[:tokens], nodes, tree_layer)
+        self.layer_calls += 1
+        return True
+
+    def _check_layout(self, layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      metadata: object) -> bool:
+        tokens = metadata.num_actual_tokens
+        try:
+            require_cpu_isa(getattr(layer, "isa", ""))
+            check_layout(kv_cache, KVLayout.CPU_VEC, metadata.slot_mapping[:tokens].long(), key[:tokens],
+                         value[:tokens])
+        except TreeAttentionError as error:
+            logger.warning("retrieval_spec.cpu_step_attention: off, vLLM's attention computes every step (%s)", error)
+            self.enabled = False
+            return False
+        self._layout_checked = True
+        return True
