@@ -82,20 +82,23 @@ struct SharedLoop {
   }
 };
 
+// fn over [0, n_items) shared by the `threads` participants `start` runs (run_on_pool or
+// run_on_omp_team); false when it ran nothing.
+template <typename Fn, typename Start>
+bool run_shared(int64_t n_items, int threads, Fn& fn, Start start) {
+  SharedLoop<Fn> loop(fn, n_items, std::max<int64_t>(1, n_items / (8 * threads)));
+  if (!start(threads, &SharedLoop<Fn>::run, &loop)) return false;
+  if (loop.error) std::rethrow_exception(loop.error);
+  return true;
+}
+
 }  // namespace detail
 
 // fn(i) for every i in [0, n_items), on plan.threads(n_items) threads (the caller included).
 template <typename Fn>
 void parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
   const int threads = plan.threads(n_items);
-  if (threads > 1) {
-    const int64_t chunk = std::max<int64_t>(1, n_items / (8 * threads));
-    detail::SharedLoop<Fn> loop(fn, n_items, chunk);
-    if (run_on_pool(threads, &detail::SharedLoop<Fn>::run, &loop)) {
-      if (loop.error) std::rethrow_exception(loop.error);
-      return;
-    }
-  }
+  if (threads > 1 && detail::run_shared(n_items, threads, fn, run_on_pool)) return;
   for (int64_t i = 0; i < n_items; ++i) fn(i);
 }
 
@@ -108,14 +111,7 @@ void team_parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
   const int team = omp_team_threads();
   const ThreadPlan on_team{plan.max_threads > 0 ? std::min(plan.max_threads, team) : team, plan.work, plan.grain};
   const int threads = on_team.threads(n_items);
-  if (threads > 1) {
-    const int64_t chunk = std::max<int64_t>(1, n_items / (8 * threads));
-    detail::SharedLoop<Fn> loop(fn, n_items, chunk);
-    if (run_on_omp_team(threads, &detail::SharedLoop<Fn>::run, &loop)) {
-      if (loop.error) std::rethrow_exception(loop.error);
-      return;
-    }
-  }
+  if (threads > 1 && detail::run_shared(n_items, threads, fn, run_on_omp_team)) return;
   parallel_for(n_items, plan, fn);
 }
 

@@ -191,43 +191,45 @@ VRS_INLINE void for_row_blocks(int begin, int end, Fn&& fn) {
   }
 }
 
+// acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R) and dimensions
+// [d0, d0 + C * kChunk) (C chunks of dimensions: R * C accumulators share each load).
+template <int R, int C, typename T, typename ValueAt>
+VRS_INLINE void accumulate_chunks(Workspace& ws, int r0, int d0, int n, int head_size, const T* cache,
+                                  ValueAt value_at) {
+  const float* p[R];
+  float* acc[R];
+  VFloat sums[R][C];
+  for (int i = 0; i < R; ++i) {
+    p[i] = ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride;
+    acc[i] = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size + d0;
+    for (int c = 0; c < C; ++c) sums[i][c] = load_chunk(acc[i] + c * kChunk);
+  }
+  for (int t = 0; t < n; ++t) {
+    const T* v = cache + value_at(t) + d0;
+    VFloat values[C];
+    for (int c = 0; c < C; ++c) values[c] = load_chunk(v + c * kChunk);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) sums[i][c] += p[i][t] * values[c];
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) store_chunk(acc[i] + c * kChunk, sums[i][c]);
+}
+
 // acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R).
 template <int R, typename T, typename ValueAt>
 VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, const T* cache,
                                 ValueAt value_at) {
-  const float* p[R];
-  float* acc[R];
-  for (int i = 0; i < R; ++i) {
-    p[i] = ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride;
-    acc[i] = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size;
-  }
   int d0 = 0;
-  for (; d0 + 2 * kChunk <= head_size; d0 += 2 * kChunk) {  // two chunks: 2R accumulators, 2 loads
-    VFloat sums[R][2];
-    for (int i = 0; i < R; ++i) sums[i][0] = load_chunk(acc[i] + d0), sums[i][1] = load_chunk(acc[i] + d0 + kChunk);
-    for (int t = 0; t < n; ++t) {
-      const T* v = cache + value_at(t) + d0;
-      const VFloat v0 = load_chunk(v), v1 = load_chunk(v + kChunk);
-      for (int i = 0; i < R; ++i) {
-        sums[i][0] += p[i][t] * v0;
-        sums[i][1] += p[i][t] * v1;
-      }
-    }
-    for (int i = 0; i < R; ++i) store_chunk(acc[i] + d0, sums[i][0]), store_chunk(acc[i] + d0 + kChunk, sums[i][1]);
-  }
-  for (; d0 + kChunk <= head_size; d0 += kChunk) {
-    VFloat sums[R];
-    for (int i = 0; i < R; ++i) sums[i] = load_chunk(acc[i] + d0);
-    for (int t = 0; t < n; ++t) {
-      const VFloat v = load_chunk(cache + value_at(t) + d0);
-      for (int i = 0; i < R; ++i) sums[i] += p[i][t] * v;
-    }
-    for (int i = 0; i < R; ++i) store_chunk(acc[i] + d0, sums[i]);
-  }
+  for (; d0 + 2 * kChunk <= head_size; d0 += 2 * kChunk)
+    accumulate_chunks<R, 2>(ws, r0, d0, n, head_size, cache, value_at);
+  for (; d0 + kChunk <= head_size; d0 += kChunk) accumulate_chunks<R, 1>(ws, r0, d0, n, head_size, cache, value_at);
   for (int t = 0; t < n && d0 < head_size; ++t) {
     const T* v = cache + value_at(t);
-    for (int i = 0; i < R; ++i)
-      for (int d = d0; d < head_size; ++d) acc[i][d] += p[i][t] * to_float(v[d]);
+    for (int i = 0; i < R; ++i) {
+      const float weight = ws.scores[static_cast<int64_t>(r0 + i) * ws.stride + t];
+      float* acc = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size;
+      for (int d = d0; d < head_size; ++d) acc[d] += weight * to_float(v[d]);
+    }
   }
 }
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vllm_retrieval_spec.datastores.sources import InputSpec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-E2E_PROMPTS = at_scale(ci=10, full=20)
+E2E_PROMPTS = at_scale(ci=8, full=20)  # one wave at 8 in flight
 BATCH1_PROMPTS = at_scale(ci=3, full=10)  # the first ones also run one at a time (batch 1 costs the most per token)
 E2E_MAX_TOKENS = at_scale(ci=48, full=64)
 CONCURRENT = 8

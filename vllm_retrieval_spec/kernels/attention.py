@@ -101,13 +101,14 @@ def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout
     """
     arrays = (query, kv_cache, out, nodes.rows, nodes.block_table, nodes.request, nodes.context, nodes.index,
               nodes.ancestors)
-    if is_cuda_tensor(kv_cache):
+    on_cuda = is_cuda_tensor(kv_cache)
+    if on_cuda:
         args, sinks = arrays, attention.sinks
     else:
         args, sinks = tuple(map(host_view, arrays)), host_view(attention.sinks)
     args += (attention.heads, layout.code, attention.scale)
     options = {"window": attention.window, "softcap": attention.softcap, "sinks": sinks}
-    if is_cuda_tensor(kv_cache):
+    if on_cuda:
         stream = cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream
         load_extension().tree_attention(*args, stream, **options)
     else:
