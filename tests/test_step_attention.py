@@ -1,7 +1,7 @@
 """Step attention: the plugin's kernel computes causal decode and verification steps exactly as
 vLLM's CPU attention does, on caches vLLM's own kernel wrote, and steps outside its range go
 back to vLLM's kernel. The engine-level identity (token ids with and without speculation)
-runs with it on by default in test_e2e_engine.py."""
+runs with it on in test_e2e_engine.py (a tree and a chain engine)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ def causal_step(rng: np.random.Generator, query_lens: list[int], contexts: list[
     keys, values = (torch.from_numpy(rng.standard_normal((len(slots), KV_HEADS, HEAD_SIZE), dtype=np.float32))
                     for _ in range(2))
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, torch.from_numpy(slots), "vec")
+    ends = np.cumsum(seq_lens)
+    step_rows = np.concatenate([np.arange(end - q, end) for end, q in zip(ends, query_lens, strict=True)])
     query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
     metadata = SimpleNamespace(
         num_actual_tokens=int(query_start_loc[-1]), max_query_len=max(query_lens), causal=True,
         dynamic_causal=None, query_start_loc=query_start_loc,
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_table=torch.from_numpy(blocks.astype(np.int32)),
-        slot_mapping=torch.from_numpy(np.concatenate([slots[int(e) - q:int(e)] for e, q in
-                                                      zip(np.cumsum(seq_lens), query_lens, strict=True)])))
+        slot_mapping=torch.from_numpy(slots[step_rows]))
     query = torch.from_numpy(rng.standard_normal((metadata.num_actual_tokens, HEADS, HEAD_SIZE), dtype=np.float32))
     expected = torch.empty_like(query)
     scheduler = ops.cpu_attn_get_scheduler_metadata(len(query_lens), HEADS, KV_HEADS, HEAD_SIZE, metadata.seq_lens,
@@ -49,11 +50,8 @@ def causal_step(rng: np.random.Generator, query_lens: list[int], contexts: list[
     ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, expected, query_start_loc, metadata.seq_lens,
                                     HEAD_SIZE ** -0.5, True, None, window or -1, metadata.block_table, 0.0,
                                     scheduler, None)
-    step_keys = keys[torch.from_numpy(np.concatenate([np.arange(int(e) - q, int(e)) for e, q in
-                                                      zip(np.cumsum(seq_lens), query_lens, strict=True)]))]
-    step_values = values[torch.from_numpy(np.concatenate([np.arange(int(e) - q, int(e)) for e, q in
-                                                          zip(np.cumsum(seq_lens), query_lens, strict=True)]))]
-    return cache, metadata, query, step_keys, step_values, expected
+    rows = torch.from_numpy(step_rows)
+    return cache, metadata, query, keys[rows], values[rows], expected
 
 
 def layer(window: int = 0) -> TreeLayer:
