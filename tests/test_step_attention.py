@@ -39,7 +39,7 @@ def causal_step(rng: np.random.Generator, query_lens: list[int], contexts: list[
     step_rows = np.concatenate([np.arange(end - q, end) for end, q in zip(ends, query_lens, strict=True)])
     query_start_loc = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
     metadata = SimpleNamespace(
-        num_actual_tokens=int(query_start_loc[-1]), max_query_len=max(query_lens), causal=True,
+        num_actual_tokens=int(query_start_loc[-1]), causal=True,
         dynamic_causal=None, query_start_loc=query_start_loc,
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_table=torch.from_numpy(blocks.astype(np.int32)),
         slot_mapping=torch.from_numpy(slots[step_rows]))

@@ -107,7 +107,7 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
       for symbol in _many(module, metadata, FIELD, "slot_mapping block_table num_actual_tokens", platform)),
     # step attention (verification/step_attention.py): the CPU backend's step metadata and layer type
     *_many("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata", FIELD,
-           "query_start_loc seq_lens max_query_len causal dynamic_causal", "cpu"),
+           "query_start_loc seq_lens causal dynamic_causal", "cpu"),
     VllmSymbol("vllm.v1.attention.backend", "AttentionType", CLASS),
     VllmSymbol("vllm.config", "get_layers_from_vllm_config", params=("vllm_config", "layer_type")),
     VllmSymbol("vllm.config", "CUDAGraphMode", CLASS),

@@ -101,8 +101,8 @@ class StepAttention:
     @staticmethod
     def _build(metadata: object) -> TreeNodes | None:
         batch = metadata.seq_lens.shape[0]
-        if (metadata.num_actual_tokens < MIN_TOKENS_PER_REQUEST * batch or metadata.max_query_len > MAX_QUERY_TOKENS
-                or metadata.causal is not True or getattr(metadata, "dynamic_causal", None) is not None):
+        if (metadata.num_actual_tokens < MIN_TOKENS_PER_REQUEST * batch or metadata.causal is not True
+                or getattr(metadata, "dynamic_causal", None) is not None):
             return None
         return chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
