@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_retrieval_spec import _C
-from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, pack_weight, skinny_gemm
+from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear, pack_weight, skinny_gemm
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,6 +52,20 @@ def test_packed_layout_is_panels_of_output_columns():
     for n in range(20):
         assert torch.equal(packed[n // panel, :, n % panel], weight[n])
     assert not packed[-1, :, 20 % panel:].any()  # the last panel's missing columns are zero
+
+
+def test_weights_packed_in_one_arena_give_the_same_outputs():
+    generator = torch.Generator().manual_seed(3)
+    arena = HugePageArena(chunk_bytes=64 << 10)  # small chunks: layers share one, and a large one maps its own
+    weights = [torch.randn(out_features, 96, generator=generator) for out_features in (20, 48, 200, 7)]
+    linears = [SkinnyLinear(weight, torch.nn.functional.linear, 8, arena) for weight in weights]
+    x = torch.randn(5, 96, generator=generator)
+    for linear, weight in zip(linears, weights):
+        assert torch.equal(linear.packed, pack_weight(weight))
+        assert linear.packed.data_ptr() % HugePageArena.ALIGN == 0
+        assert torch.equal(linear(x, weight, None), skinny_gemm(x, weight))
+    del arena, weights
+    assert torch.equal(linears[0](x, torch.empty(0), None), linears[0](x.clone(), torch.empty(0), None))
 
 
 def test_kernel_runs_on_torchs_openmp_team():

@@ -33,7 +33,7 @@ from vllm_retrieval_spec.integration.patch_surface import (
     supported_versions,
 )
 from vllm_retrieval_spec.kernels.attention import KVLayout
-from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear, pays_on_this_cpu
+from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear, pays_on_this_cpu
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.proposers.registry import names_this_package
@@ -470,13 +470,13 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
 
     layers, packed_bytes = 0, 0
 
-    def skinny_dispatch(original: Callable) -> Callable:
+    def skinny_dispatch(original: Callable, arena: HugePageArena) -> Callable:
         def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
             nonlocal layers, packed_bytes
             weight = layer.weight.detach()
             original(layer, remove_weight, *args, **kwargs)
             if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
-                layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows)
+                layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows, arena)
                 layers += 1
                 packed_bytes += layer.cpu_linear.packed.nbytes
 
@@ -485,7 +485,8 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
     def load_with_skinny_gemm(original: Callable) -> Callable:
         def load_model(*args, **kwargs):
             vllm_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-            layer_utils.dispatch_cpu_unquantized_gemm = functools.wraps(vllm_dispatch)(skinny_dispatch(vllm_dispatch))
+            packing = skinny_dispatch(vllm_dispatch, HugePageArena())  # one model's packed weights
+            layer_utils.dispatch_cpu_unquantized_gemm = functools.wraps(vllm_dispatch)(packing)
             try:
                 result = original(*args, **kwargs)
             finally:

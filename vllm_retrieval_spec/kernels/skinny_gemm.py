@@ -7,11 +7,15 @@ VM's multiply-add rate at 24-32 rows. The kernel keeps each weight packed in pan
 columns (:func:`pack_weight`, once when the model loads) and computes blocks of up to 6 rows × 16
 columns in registers, on the OpenMP team torch runs on: in an engine ~1.25x oneDNN at 1-3 rows
 (both stream the weights), ~1.3x from 5 to 24, level at 32-40 (``benchmarks/skinny_gemm.py``).
-:class:`SkinnyLinear` hands larger calls (prefills) back to oneDNN.
+:class:`SkinnyLinear` hands larger calls (prefills) back to oneDNN. A model's packed weights share a
+:class:`HugePageArena`: on Linux they sit on 2 MiB pages, where the kernel ran 1.00-1.13x as fast
+as on the 4 KiB pages torch's allocator gets under transparent huge pages' usual ``madvise`` mode
+(alone; ~1.02x in an in-process engine, ``benchmarks/skinny_gemm.py``).
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -34,13 +38,46 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _run(load_extension().skinny_gemm, x, pack_weight(weight), weight.shape[0], bias)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tensor:
     """``weight`` ``[out, in]`` in the kernel's layout: panels of ``SKINNY_GEMM_PANEL`` output columns,
-    ``[ceil(out / panel), in, panel]``, the last panel's missing columns zero."""
+    ``[ceil(out / panel), in, panel]``, the last panel's missing columns zero; in ``arena`` if given."""
     panel = load_extension().SKINNY_GEMM_PANEL
     out_features, in_features = weight.shape
     padded = torch.nn.functional.pad(weight, (0, 0, 0, -out_features % panel))
-    return padded.view(-1, panel, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(-1, panel, in_features).transpose(1, 2)
+    return panels.contiguous() if arena is None else arena.empty(tuple(panels.shape)).copy_(panels)
+
+
+class HugePageArena:
+    """Float32 tensors bump-allocated from anonymous mappings of at least ``chunk_bytes``, advised
+    to be backed by 2 MiB pages (``MADV_HUGEPAGE``: Linux, transparent huge pages not ``never``), so
+    that streaming a model's packed weights misses the TLB once per 2 MiB and not once per 4 KiB.
+    Each tensor keeps its chunk mapped; where the advice does not exist, plain tensors."""
+
+    PAGE = 2 << 20
+    ALIGN = 64  # bytes: a cache line
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None  # bytes of the current chunk not handed out yet
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = 4 * int(torch.Size(shape).numel())
+        if not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty(shape, dtype=torch.float32)
+        if self._chunk is None or self._chunk.numel() < nbytes:
+            self._chunk = self._map(max(nbytes, self.chunk_bytes))
+        tensor = self._chunk[:nbytes].view(torch.float32).view(shape)
+        self._chunk = self._chunk[min(-(-nbytes // self.ALIGN) * self.ALIGN, self._chunk.numel()):]
+        return tensor
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` from a fresh mapping advised to huge pages, starting on a 2 MiB boundary."""
+        region = mmap.mmap(-1, nbytes + self.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping while any view of it lives
+        start = -raw.data_ptr() % self.PAGE
+        return raw[start:start + nbytes]
 
 
 def _run(kernel: Callable, x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -69,14 +106,15 @@ def _require_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 class SkinnyLinear:
     """A layer's ``cpu_linear`` (vLLM's CPU GEMM dispatch): calls of at most ``max_rows`` contiguous
     2-D float32 rows run the kernel on ``weight`` (the layer's float32 weight, packed once into
-    :attr:`packed` beside oneDNN's own copy); anything else goes to ``fallback``, the layer's own
-    ``cpu_linear``."""
+    :attr:`packed` beside oneDNN's own copy, in ``arena`` if given); anything else goes to
+    ``fallback``, the layer's own ``cpu_linear``."""
 
-    def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int,
+                 arena: HugePageArena | None = None) -> None:
         if not self.accepts(weight):
             raise ValueError(f"SkinnyLinear: the weight must be a contiguous 2-D float32 CPU tensor, got "
                              f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-        self.packed = pack_weight(weight)
+        self.packed = pack_weight(weight, arena)
         self.fallback = fallback
         self.max_rows = max_rows
         self.out_features, self.in_features = weight.shape
