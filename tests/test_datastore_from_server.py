@@ -164,6 +164,9 @@ def test_stores_from_the_real_servers_answers(model_dir, plain_server, tmp_path)
     assert dense.num_positions > 64 and "built" in done.stdout
 
 
+CAPTURE_TOKENS = 24  # new tokens a prompt: at least 24 - value_tokens positions each
+
+
 def test_without_a_url_the_dense_store_holds_the_states_captured_while_answering(model_dir, dense_store, tmp_path):
     """A server started here answers with DReSD and captures the key of every generated token:
     the dense store (in ``--dense-keys``' key space) holds the answers' positions with the tokens
@@ -174,13 +177,13 @@ def test_without_a_url_the_dense_store_holds_the_states_captured_while_answering
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
         "class Stack:\n    \"\"\"A stack with push, pop and peek.\"\"\"\n")))
     out = tmp_path / "store"
-    args = ("--prompts", str(prompts), "--out", str(out), "--model", str(model_dir), "--max-tokens", "32",
-            "--dense", "--dense-keys", str(dense_store), "--concurrency", "3")
+    args = ("--prompts", str(prompts), "--out", str(out), "--model", str(model_dir),
+            "--max-tokens", str(CAPTURE_TOKENS), "--dense", "--dense-keys", str(dense_store), "--concurrency", "3")
     done = cli(*args)
     assert done.returncode == 0, done.stderr
     assert "captured while answering" in done.stdout
     captured, keys = DenseDatastore.open(tmp_path / "store-dense"), DenseDatastore.open(dense_store)
-    assert captured.num_positions >= 3 * (32 - captured.value_tokens)
+    assert captured.num_positions >= 3 * (CAPTURE_TOKENS - captured.value_tokens)
     assert np.array_equal(captured.transform.components, keys.transform.components)
     answers = [json.loads(line)["text"] for line in (tmp_path / "store.transcripts.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(model_dir)

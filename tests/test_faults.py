@@ -31,7 +31,7 @@ from conftest import running_engine
 from scale import at_scale
 
 MAX_MODEL_LEN = 2048  # the shared no-speculation server's (VllmServer's default)
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 CONCURRENT = 32
 PROMPTS = humaneval_prompts(CONCURRENT)
 DISCONNECTING_CLIENTS = at_scale(ci=48, full=100)  # CONCURRENT at once, the rest as the first hang up

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engine
 
 PROMPTS = 8
 BATCH1_PROMPTS = at_scale(ci=2, full=8)  # the first ones also run one at a time: one short, one long
-MAX_TOKENS = at_scale(ci=32, full=48)
+MAX_TOKENS = at_scale(ci=24, full=48)
 IN_FLIGHT = 8
 WINDOW = 512
 TREE_NODES = 16

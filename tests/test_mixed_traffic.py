@@ -25,7 +25,7 @@ pytestmark = pytest.mark.engine
 
 BLOCK_SIZE = 32  # the smallest CPU_ATTN takes
 CONCURRENT = 8
-MAX_TOKENS = 48
+MAX_TOKENS = 40
 CACHED_WHOLE = 2  # prompts whose length is 1 + a multiple of the block: a later request hits every block
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 CONFIGS = {

@@ -217,7 +217,7 @@ def test_seeded_requests_with_features_applied_at_some_positions_only_are_refuse
 
 # ---- through the OpenAI server --------------------------------------------------------------
 
-SERVER_MAX_TOKENS = 24
+SERVER_MAX_TOKENS = 16
 TESTS_DIR = str(Path(__file__).resolve().parent)
 OUTPUT_INDEX_DRAFTS = r'^vllm_retrieval_spec:draft_tokens_total{[^}]*source="output_index"[^}]*} ([0-9.e+]+)$'
 
