@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 E2E_PROMPTS = at_scale(ci=8, full=20)  # one wave at 8 in flight
-BATCH1_PROMPTS = at_scale(ci=3, full=10)  # the first ones also run one at a time (batch 1 costs the most per token)
+BATCH1_PROMPTS = at_scale(ci=2, full=10)  # the first ones also run one at a time (batch 1 costs the most per token)
 E2E_MAX_TOKENS = at_scale(ci=40, full=64)
 CONCURRENT = 8
 PLAIN_SERVER_SEQUENCES = 16  # the load tests' 64 clients queue at their servers: 16 in flight
