@@ -15,6 +15,7 @@ as on the 4 KiB pages torch's allocator gets under transparent huge pages' usual
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Callable
 
@@ -74,7 +75,8 @@ class HugePageArena:
     def _map(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` from a fresh mapping advised to huge pages, starting on a 2 MiB boundary."""
         region = mmap.mmap(-1, nbytes + self.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages: 4 KiB pages
+            region.madvise(mmap.MADV_HUGEPAGE)
         raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping while any view of it lives
         start = -raw.data_ptr() % self.PAGE
         return raw[start:start + nbytes]
