@@ -46,8 +46,10 @@ CHAIN_CONFIGS = {
     "vllm-ngram": ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}, None),
     "vllm-suffix": ({"method": "suffix"}, None),
 }
-# vLLM's own methods at full scale only: prompt lookup checks the same patched sampler path in CI.
-VLLM_METHODS = {"vllm-ngram", "vllm-suffix"}
+# At full scale only: vLLM's own methods (prompt lookup checks the same patched sampler path in
+# CI) and N-Grammys, whose chains reach the same verification as REST's and prompt lookup's (its
+# drafts, greedy identity and trees are checked in CI by test_e2e_engine.py).
+FULL_SCALE_ONLY = {"vllm-ngram", "vllm-suffix", "ngrammys"}
 SUFFIX_MISSING = importlib.util.find_spec("arctic_inference") is None
 # Suffix decoding drafts from the outputs of earlier requests too, so how many random draws a
 # seeded request makes (one per drafted token) depends on what was served before it: its
@@ -91,7 +93,7 @@ def test_the_prompt_leaves_the_model_uncertain(reference_tokens):
     assert max(likely) >= 3, likely
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=full_scale_only) if name in VLLM_METHODS else name
+@pytest.mark.parametrize("name", [pytest.param(name, marks=full_scale_only) if name in FULL_SCALE_ONLY else name
                                   for name in CHAIN_CONFIGS])
 def test_chain_speculation_samples_like_the_model(name, request, model_dir, reference_tokens):
     if name == "vllm-suffix" and SUFFIX_MISSING:
