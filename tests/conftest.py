@@ -15,6 +15,9 @@ import pytest
 
 from vllm_retrieval_spec.compat import configure_vllm_environment
 
+from workers import ServerFilesTogether, keep_worker_to_its_cores, order_for_workers
+
+keep_worker_to_its_cores()  # before anything imports torch
 configure_vllm_environment(in_process=True)  # before anything imports vLLM
 
 from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
@@ -41,6 +44,15 @@ E2E_MAX_TOKENS = at_scale(ci=40, full=64)
 CONCURRENT = 8
 PLAIN_SERVER_SEQUENCES = 16  # the load tests' 64 clients queue at their servers: 16 in flight
 NGRAM_TABLE_TOKENS = at_scale(ci=8192, full=None)  # ci: 89% of HumanEval's tokens; full: the vocabulary
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order_for_workers(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> ServerFilesTogether | None:
+    """``--dist loadfile`` (scripts/test.sh) runs the files starting servers as one file."""
+    return ServerFilesTogether(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="session")
