@@ -278,17 +278,33 @@ VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int 
   });
 }
 
-// Scores of rows [r0, r0 + R) for the keys [t0, t0 + C * kChunk) of a transposed block (C
-// chunks of keys: R * C accumulators share each load).
+// The next context block's keys and values asked into the L2 cache a few lines at a time, spread
+// over the current block's scoring loop (its first rows), so that they arrive while it computes:
+// the hardware prefetchers stop at every 4 KiB page, and a (block, kv head) spans 16 of them.
+// Issuing a whole block's lines at once stalls on the full miss buffers instead.
+struct Prefetch {
+  const char* next = nullptr;  // this stretch of the next block, or null: nothing to ask for
+  int64_t bytes_per_step = 0;  // a multiple of the cache line
+
+  VRS_INLINE void step(int d) const {
+    if (next == nullptr) return;
+    for (int64_t offset = 0; offset < bytes_per_step; offset += 64)
+      __builtin_prefetch(next + d * bytes_per_step + offset, 0, 2);
+  }
+};
+
+// Scores of rows [r0, r0 + R) for keys t0..t0 + C * kChunk - 1 of a block, key t0 + j's
+// dimension d at keys[d * key_d + j] (C chunks of keys: R * C accumulators share each load).
 template <int R, int C, typename T>
 VRS_INLINE void score_chunks(Workspace& ws, int r0, int t0, int head_size, const T* keys,
-                             int64_t key_d) {
+                             int64_t key_d, const Prefetch& ahead) {
   VFloat sums[R][C] = {};
   const float* q[R];
   for (int i = 0; i < R; ++i) q[i] = ws.q.data() + static_cast<int64_t>(r0 + i) * head_size;
   for (int d = 0; d < head_size; ++d) {
+    ahead.step(d);
     VFloat k[C];
-    for (int c = 0; c < C; ++c) k[c] = load_chunk(keys + d * key_d + t0 + c * kChunk);
+    for (int c = 0; c < C; ++c) k[c] = load_chunk(keys + d * key_d + c * kChunk);
     for (int i = 0; i < R; ++i)
       for (int c = 0; c < C; ++c) sums[i][c] += q[i][d] * k[c];
   }
@@ -299,22 +315,30 @@ VRS_INLINE void score_chunks(Workspace& ws, int r0, int t0, int head_size, const
 
 // Scores of the first n keys of one context block (key (t, d) at keys[t * key_t + d * key_d])
 // for every row of the task.
+// (``next``: the next block's keys and values, prefetched along the way; null: none.)
 template <typename T>
 VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int block_size,
-                            const T* keys, const Strides& st) {
+                            const T* keys, const Strides& st, const T* next) {
   const int64_t stride = ws.stride;
   float* scores = ws.scores.data();
   const float* q = ws.q.data();
   int t0 = 0;
   if (st.key_t == 1) {  // keys transposed: vectorize over keys, whole chunks within the block
     const int full = std::min(n, block_size - block_size % kChunk);
-    for (; t0 + 2 * kChunk <= full; t0 += 2 * kChunk)
+    const int64_t steps = static_cast<int64_t>(full / (2 * kChunk)) * head_size;
+    const int64_t next_bytes = int64_t{2} * block_size * head_size * static_cast<int64_t>(sizeof(T));
+    const int64_t per_step = steps > 0 ? (next_bytes / steps + 63) / 64 * 64 : 0;
+    const Prefetch none;
+    for (; t0 + 2 * kChunk <= full; t0 += 2 * kChunk) {
+      const Prefetch ahead{next ? reinterpret_cast<const char*>(next) + t0 / (2 * kChunk) * head_size * per_step
+                                : nullptr, per_step};
       for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
-        score_chunks<decltype(block)::value, 2>(ws, r, t0, head_size, keys, st.key_d);
+        score_chunks<decltype(block)::value, 2>(ws, r, t0, head_size, keys + t0, st.key_d, r == 0 ? ahead : none);
       });
+    }
     for (; t0 < full; t0 += kChunk)
       for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
-        score_chunks<decltype(block)::value, 1>(ws, r, t0, head_size, keys, st.key_d);
+        score_chunks<decltype(block)::value, 1>(ws, r, t0, head_size, keys + t0, st.key_d, none);
       });
   }
   for (int t = t0; t < n; ++t) {  // the rest, and keys stored as rows
@@ -355,7 +379,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     const int64_t base = view.block_base(start, g);
     const int n = std::min(bs, view.context - start);
     for (int r = 0; r < rows; ++r) ws.skip[r] = std::max(0, ws.first[r] - start);
-    score_block(ws, rows, n, hs, bs, cache + base, st);
+    const T* next = start + bs < view.context ? cache + view.block_base(start + bs, g) : nullptr;
+    score_block(ws, rows, n, hs, bs, cache + base, st, next);
     fold_keys(ws, 0, rows, n, hs, cache,
               [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
               a.window > 0 ? ws.skip.data() : nullptr, a.softcap);
