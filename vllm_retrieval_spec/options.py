@@ -261,11 +261,11 @@ class RetrievalSpecOptions:
     )
 
     cpu_step_attention: bool = _option(
-        True, _bool,
+        False, _bool,
         "CPU build, float32 models: attention of steps bringing 2+ tokens a request (verification) runs the "
         "plugin's kernel, which reads a request's keys and values once for all its tokens where vLLM's reads "
-        "them once per token (+3-5% tokens/s at 8 in flight on a 2-core VM, -5 to +9% at 1); prefills and "
-        "one-token decode steps keep vLLM's",
+        "them once per token (~1.2x vLLM's in an engine on a 2-core VM; no tokens/s gain measured there, so off "
+        "by default); prefills and one-token decode steps keep vLLM's",
     )
 
     ngram_table: str = _option(
