@@ -44,8 +44,8 @@ def starts_servers(item: pytest.Item) -> bool:
 def order_for_workers(items: list[pytest.Item]) -> None:
     """The server files first (the longest unit of work, in collection order: their tests share
     servers, and some count what a server served before them), then the files that run engines,
-    then the rest; a test starting a server outside ``SERVER_FILES`` is a
-    usage error (it would start its own on another worker)."""
+    then the rest; a test starting a server outside ``SERVER_FILES`` is a usage error (it would
+    start its own on another worker)."""
     strays = sorted({item.path.name for item in items if starts_servers(item) and item.path.name not in SERVER_FILES})
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)} start(s) servers: add to SERVER_FILES in tests/workers.py")
