@@ -314,8 +314,8 @@ VRS_INLINE void score_chunks(Workspace& ws, int r0, int t0, int head_size, const
 }
 
 // Scores of the first n keys of one context block (key (t, d) at keys[t * key_t + d * key_d])
-// for every row of the task.
-// (``next``: the next block's keys and values, prefetched along the way; null: none.)
+// for every row of the task, prefetching the next block's keys and values from `next` on (null:
+// no next block).
 template <typename T>
 VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int block_size,
                             const T* keys, const Strides& st, const T* next) {
