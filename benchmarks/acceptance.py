@@ -164,9 +164,10 @@ CONFIGS: dict[str, dict] = {
     # ... and the skinny GEMM up to 48 or 96 rows (8 in flight drafting up to 5 tokens each, or
     # 32 in flight drafting up to 2, stay on it).
     **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (48, 96)},
-    # The plugin's attention kernel on verification steps (cpu_step_attention, default false; the
-    # files of 2026-11-28 night name its A/B partner with the option off "rest_k32_vllm_attention").
-    "rest_k32_step_attention": _ours("RestProposer", 32, cpu_step_attention=True),
+    # vLLM's attention kernel on every step instead of the plugin's (cpu_step_attention, default true since
+    # 2026-11-29, on every causal step; before, opt-in on verification steps: the files of that date and
+    # before name it "rest_k32_step_attention", and "rest_k32_vllm_attention" the A/B partner with it off).
+    "rest_k32_vllm_attention": _ours("RestProposer", 32, cpu_step_attention=False),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},

@@ -45,7 +45,7 @@ def step_times(requests: int, tokens: int, context: int, repeats: int) -> dict[s
     scale = HEAD_SIZE ** -0.5
     schedule = ops.cpu_attn_get_scheduler_metadata(requests, HEADS, KV_HEADS, HEAD_SIZE, seq_lens, torch.float32,
                                                    starts, True, -1, "vec", True)
-    nodes = chain_nodes(starts.numpy(), seq_lens.numpy(), table.numpy())
+    nodes = chain_nodes(starts.numpy(), seq_lens.numpy(), table.numpy()).nodes
     attention = LayerAttention(HEADS, scale)
 
     def vllm_step() -> None:

@@ -3,7 +3,11 @@
 // all of its query rows at once (the block stays in L1; up to 6 rows × 2 chunks of keys, or of
 // value dimensions, share each load), folds it into a per-row online softmax, then adds each
 // node's ancestors; a row masks the keys before its sliding window (blocks before every
-// row's window are skipped), soft-caps its scores and starts its softmax from its sink. The hot
+// row's window are skipped), soft-caps its scores and starts its softmax from its sink.
+// A tile whose nodes form a chain (node j's ancestors are nodes 0..j: a causal step) folds the
+// step's own keys as part of the blocks they lie in, whole chunks of keys at a time, masking
+// the keys after each row: a row's result then depends on its position and the cache alone,
+// bit for bit, not on how many tokens its step brought. The hot
 // function is compiled for AVX-512, AVX2+FMA and baseline x86-64 (picked at load time); this
 // file alone may contract multiply-adds (CMakeLists.txt).
 #include <algorithm>
@@ -114,6 +118,8 @@ struct Workspace {
   std::vector<int64_t> node_keys, node_values;   // a node's ancestors' offsets in the cache
   std::vector<int> first;  // per row: the first key its window keeps (tree_attention.h)
   std::vector<int> skip;   // per row: keys of the current block before its window
+  std::vector<int> stop;   // per row: keys of the current block up to itself (a chain's rows)
+  std::vector<int> end;    // per row: its keys' end, counted from the first (a chain's rows)
   int stride = 0;
 
   void reset(int rows, int head_size, int block_size, int max_tree_nodes) {
@@ -125,6 +131,8 @@ struct Workspace {
     scores.resize(static_cast<size_t>(rows) * stride);
     first.assign(rows, 0);
     skip.assign(rows, 0);
+    stop.assign(rows, 0);
+    end.assign(rows, 0);
   }
 };
 
@@ -233,19 +241,24 @@ VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, con
   }
 }
 
-// Folds `n` scored keys into rows [row_begin, row_end): row r's keys before skip[r] (none
-// when skip is null) are outside its window and weigh nothing, the others are soft-capped
-// (softcap > 0); scores[r * stride + t] becomes exp(score - new max), values of key t start
-// at cache + value_at(t).
+// Folds `n` scored keys into rows [row_begin, row_end): row r sees keys [skip[r], stop[r]) of
+// them (skip null: from 0, stop null: to n), soft-capped (softcap > 0), the others weigh
+// nothing; scores[r * stride + t] becomes exp(score - new max). Values of the first `n_values`
+// keys are read (keys past them are unseen by every row), key t's at cache + value_at(t).
 template <typename T, typename ValueAt>
-VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int head_size,
-                          const T* cache, ValueAt value_at, const int* skip, float softcap) {
+VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int n_values, int head_size,
+                          const T* cache, ValueAt value_at, const int* skip, const int* stop, float softcap) {
   for (int r = row_begin; r < row_end; ++r) {
     float* s = ws.scores.data() + static_cast<int64_t>(r) * ws.stride;
-    const int outside = skip ? std::min(skip[r], n) : 0;
-    std::fill(s, s + outside, outside == n ? 0.0f : -std::numeric_limits<float>::infinity());
-    if (outside == n) continue;  // weights 0: the row's state stays as it is
-    if (softcap > 0.0f) cap_scores(s + outside, n - outside, softcap);
+    const int begin = skip ? std::min(skip[r], n) : 0;
+    const int end = stop ? std::max(begin, std::min(stop[r], n)) : n;
+    if (begin == end) {  // weights 0: the row's state stays as it is
+      std::fill(s, s + n, 0.0f);
+      continue;
+    }
+    std::fill(s, s + begin, -std::numeric_limits<float>::infinity());
+    std::fill(s + end, s + n, -std::numeric_limits<float>::infinity());
+    if (softcap > 0.0f) cap_scores(s + begin, end - begin, softcap);
     const int full = n - n % kChunk;
     VFloat tops = splat(ws.max[r]);
     for (int t = 0; t < full; t += kChunk) {
@@ -274,7 +287,7 @@ VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int 
     for (int d = 0; d < head_size; ++d) acc[d] *= correction;
   }
   for_row_blocks(row_begin, row_end, [&](auto block, int r) VRS_LAMBDA_INLINE {
-    accumulate_rows<decltype(block)::value>(ws, r, n, head_size, cache, value_at);
+    accumulate_rows<decltype(block)::value>(ws, r, n_values, head_size, cache, value_at);
   });
 }
 
@@ -352,6 +365,21 @@ VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int b
   }
 }
 
+// Whether the tile's nodes form a chain: each one's ancestors-or-self are nodes 0..its index,
+// so that its keys are the cache positions 0..context + index (a causal step).
+inline bool is_chain(const TreeAttentionArgs& a, const Tile& tile) {
+  for (int64_t node = tile.begin; node < tile.end; ++node) {
+    const int index = a.node_index[node];
+    const uint64_t* bits = a.ancestors + node * a.words;
+    for (int w = 0; w < a.words; ++w) {
+      const int last = index - w * 64;  // the last ancestor bit of this word
+      const uint64_t expected = last < 0 ? 0 : last >= 63 ? ~uint64_t{0} : (uint64_t{2} << last) - 1;
+      if (bits[w] != expected) return false;
+    }
+  }
+  return true;
+}
+
 template <typename T>
 VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g, Workspace& ws) {
   const int group = a.heads / a.kv_heads, hs = a.head_size, bs = a.block_size;
@@ -362,30 +390,39 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
   const int64_t request = a.node_request[tile.begin];
   const TaskView view{a, Strides::of(a), a.block_table + request * a.table_width,
                       a.node_context[tile.begin]};
+  // A chain folds its step's keys with the blocks (whole chunks: see the file's comment).
+  const bool chain = bs % kChunk == 0 && is_chain(a, tile);
   int window_start = view.context;  // the first context key any row of the tile keeps
+  int keys_end = view.context;      // the keys the blocks hold for the tile's rows
   for (int r = 0; r < rows; ++r) {
     const int64_t node = tile.begin + r / group, head = g * group + r % group;
     const T* src = query + a.node_row[node] * a.query_stride + head * hs;
     for (int d = 0; d < hs; ++d) ws.q[static_cast<size_t>(r) * hs + d] = to_float(src[d]) * a.scale;
     ws.first[r] = first_key(a, view.context, depth_of(a, node));
     window_start = std::min(window_start, ws.first[r]);
+    ws.end[r] = view.context + a.node_index[node] + 1;
+    if (chain) keys_end = std::max(keys_end, ws.end[r]);
     if (a.sinks) {  // the sink: a key of score sinks[head] and no value
       ws.max[r] = a.sinks[head];
       ws.sum[r] = 1.0f;
     }
   }
   const Strides& st = view.st;
-  for (int start = window_start - window_start % bs; start < view.context; start += bs) {
+  for (int start = window_start - window_start % bs; start < keys_end; start += bs) {
     const int64_t base = view.block_base(start, g);
-    const int n = std::min(bs, view.context - start);
-    for (int r = 0; r < rows; ++r) ws.skip[r] = std::max(0, ws.first[r] - start);
-    const T* next = start + bs < view.context ? cache + view.block_base(start + bs, g) : nullptr;
+    const int n_values = std::min(bs, keys_end - start);
+    const int n = chain ? std::min(bs, (n_values + kChunk - 1) / kChunk * kChunk) : n_values;
+    for (int r = 0; r < rows; ++r) {
+      ws.skip[r] = std::max(0, ws.first[r] - start);
+      ws.stop[r] = ws.end[r] - start;
+    }
+    const T* next = start + bs < keys_end ? cache + view.block_base(start + bs, g) : nullptr;
     score_block(ws, rows, n, hs, bs, cache + base, st, next);
-    fold_keys(ws, 0, rows, n, hs, cache,
+    fold_keys(ws, 0, rows, n, n_values, hs, cache,
               [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
-              a.window > 0 ? ws.skip.data() : nullptr, a.softcap);
+              a.window > 0 ? ws.skip.data() : nullptr, chain ? ws.stop.data() : nullptr, a.softcap);
   }
-  for (int64_t node = tile.begin; node < tile.end; ++node) {  // ancestors and the node itself
+  for (int64_t node = tile.begin; node < tile.end && !chain; ++node) {  // ancestors and the node itself
     const int index = a.node_index[node];
     const uint64_t* bits = a.ancestors + node * a.words;
     const int first = static_cast<int>(node - tile.begin) * group;
@@ -410,8 +447,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
         ws.scores[static_cast<int64_t>(r) * ws.stride + t] = dot;
       }
     }
-    fold_keys(ws, first, first + group, n, hs, cache, [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; },
-              nullptr, a.softcap);
+    fold_keys(ws, first, first + group, n, n, hs, cache,
+              [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; }, nullptr, nullptr, a.softcap);
   }
   T* out = static_cast<T*>(a.out);
   for (int r = 0; r < rows; ++r) {

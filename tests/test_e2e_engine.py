@@ -132,7 +132,7 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
     sessions = []
     for tree, budget, step_attention in ((True, "fixed", True), (False, "auto", True), (True, "auto", False)):
         # the chain engine on vLLM's GEMM throughout, the tree engines on the skinny one; the first two
-        # compute their verification steps' attention with the plugin's kernel (cpu_step_attention)
+        # compute their steps' attention with the plugin's kernel (cpu_step_attention), the last with vLLM's
         options = {"datastore": str(code_store), "tree": tree, "budget": budget, "cpu_step_attention": step_attention,
                    **({} if tree else {"cpu_gemm_max_rows": 0})}
         with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:

@@ -534,9 +534,11 @@ def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> Non
 def _step_forward(step_attention: StepAttention, tree_layer: TreeLayer) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            if step_attention.forward(layer, tree_layer, query, key, value, kv_cache, attn_metadata, output):
-                return output
-            return original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            def vllm_attention():
+                return original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+            return step_attention.forward(layer, tree_layer, query, key, value, kv_cache, attn_metadata, output,
+                                          vllm_attention)
 
         return forward
 

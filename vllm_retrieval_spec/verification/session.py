@@ -25,7 +25,7 @@ drafter, and owns everything that lives between drafting and verification:
   trees, depth positions, the tree-attention fix-up and the KV compaction of the accepted
   paths, per KV cache group (sliding-window and full-attention layers have their own);
 - on the CPU build (float32), the :class:`~vllm_retrieval_spec.verification.step_attention.StepAttention`
-  that computes its verification steps' attention (``cpu_step_attention``);
+  that computes its decode and verification steps' attention (``cpu_step_attention``);
 - its counters and its one-time check of the attention KV layout (per runner, so a second
   engine in the same process checks its own);
 - the runner's Prometheus metrics (``integration/metrics.py``), published once per step

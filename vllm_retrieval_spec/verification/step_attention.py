@@ -7,19 +7,25 @@ tree-attention kernel (:mod:`vllm_retrieval_spec.kernels.attention`) scores each
 request's context for all of its query rows at once, so a step whose requests bring several
 tokens each reads every key and value once. A causal step is a chain: token ``j`` of a request
 whose ``q`` tokens end at position ``L - 1`` has ``L - q`` tokens of context and the step's
-tokens ``0 .. j`` as its ancestors-or-self (:func:`chain_nodes`).
+tokens ``0 .. j`` as its ancestors-or-self (:func:`chain_nodes`). The kernel folds a chain's own
+keys with the cache blocks they lie in, so a token's attention is bit for bit the same whatever
+its step brought: with the row-invariant skinny GEMM, a position's logits do not depend on the
+drafts.
 
-:class:`StepAttention` (one per model runner, with ``cpu_step_attention``: opt-in, as it
-measured no tokens/s gain on a 2-core VM) takes over a float32 layer's attention on steps
-that bring at least :data:`MIN_TOKENS_PER_REQUEST` tokens a request and none more than
-:data:`MAX_QUERY_TOKENS` (prefills and plain decode steps keep vLLM's kernel, which is faster
-for one token a request); the step's node arrays are built once, with NumPy, for every layer
-of its KV cache group. Keys and values are read where the backend has already written them.
+:class:`StepAttention` (one per model runner, with ``cpu_step_attention``) therefore computes
+every causal step of a float32 layer, one-token decodes and short prefills included: the rows
+of requests bringing at most :data:`MAX_QUERY_TOKENS` tokens; a step with longer prefills runs
+vLLM's kernel first and then overwrites the other requests' rows. The step's node arrays are
+built once, with NumPy, for every layer of its KV cache group. Keys and values are read where
+the backend has already written them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,29 +43,40 @@ from vllm_retrieval_spec.verification.tree_attention import (
 logger = logging.getLogger(__name__)
 
 MAX_QUERY_TOKENS = 64  # a request's tokens in one step, so that one ancestor word holds them
-MIN_TOKENS_PER_REQUEST = 2  # fewer on average: mostly one-token decodes, where vLLM's kernel is faster
 
 
-def chain_nodes(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> TreeNodes | None:
-    """Every token of a causal step as a node of its request's chain, or None when a request
-    brings more than :data:`MAX_QUERY_TOKENS` tokens or has no context before them (a
-    prefill). ``query_start_loc`` ``[B + 1]``, ``seq_lens`` ``[B]`` (context and the step's
-    tokens), ``block_table`` ``[B, width]``, all on the host."""
+@dataclass(frozen=True)
+class StepNodes:
+    """The rows of a step the kernel computes: every request's (``whole_step``), or, beside
+    requests bringing more than :data:`MAX_QUERY_TOKENS` tokens, the others' (vLLM's kernel
+    computes the step first)."""
+
+    nodes: TreeNodes
+    whole_step: bool
+
+
+def chain_nodes(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepNodes | None:
+    """The tokens of a causal step as nodes of their requests' chains, for the requests bringing
+    at most :data:`MAX_QUERY_TOKENS` tokens (None: no such request). ``query_start_loc``
+    ``[B + 1]``, ``seq_lens`` ``[B]`` (context and the step's tokens), ``block_table``
+    ``[B, width]``, all on the host."""
     query_lens = np.diff(query_start_loc)
-    context = seq_lens - query_lens
-    if query_lens.size == 0 or query_lens.max() > MAX_QUERY_TOKENS or context.min() < 1:
+    served = np.flatnonzero(query_lens <= MAX_QUERY_TOKENS)
+    if served.size == 0:
         return None
-    tokens = int(query_start_loc[-1])
-    index = np.arange(tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1], query_lens)
+    lens = query_lens[served]
+    starts = np.repeat(query_start_loc[served], lens)
+    index = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     ancestors = (np.uint64(2) << index.astype(np.uint64)) - np.uint64(1)  # bits 0..j (all 64 for j = 63)
-    return TreeNodes(
-        rows=np.arange(tokens, dtype=np.int64),
+    nodes = TreeNodes(
+        rows=starts + index,
         block_table=np.ascontiguousarray(block_table, dtype=np.int32),
-        request=np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens),
-        context=np.repeat(context, query_lens).astype(np.int32),
+        request=np.repeat(served.astype(np.int32), lens),
+        context=np.repeat(seq_lens[served] - lens, lens).astype(np.int32),
         index=index.astype(np.int32),
         ancestors=ancestors.reshape(-1, 1),
     )
+    return StepNodes(nodes, whole_step=served.size == query_lens.size)
 
 
 def step_attention_serves(impl: object) -> bool:
@@ -73,19 +90,19 @@ def step_attention_serves(impl: object) -> bool:
 
 
 class StepAttention:
-    """One runner's attention on decode and verification steps (module docstring): the node
-    arrays of the step's KV cache groups, rebuilt when a group's attention metadata changes.
-    The first step it computes checks that the cache holds the keys and values where the kernel
-    reads them; if not (another ISA or vLLM version), vLLM's kernel computes every step."""
+    """One runner's attention on causal steps (module docstring): the node arrays of the step's
+    KV cache groups, rebuilt when a group's attention metadata changes. The first step it
+    computes checks that the cache holds the keys and values where the kernel reads them; if
+    not (another ISA or vLLM version), vLLM's kernel computes every step."""
 
     def __init__(self) -> None:
         self._metadata: list[object] = []
-        self._nodes: list[TreeNodes | None] = []
+        self._nodes: list[StepNodes | None] = []
         self.enabled = True
         self.layer_calls = 0  # layers it computed, over every step
         self._layout_checked = False
 
-    def nodes_for(self, metadata: object) -> TreeNodes | None:
+    def nodes_for(self, metadata: object) -> StepNodes | None:
         """The chain nodes of this step's group (None: vLLM's kernel computes the step)."""
         for i, known in enumerate(self._metadata):
             if known is metadata:
@@ -99,27 +116,28 @@ class StepAttention:
         return nodes
 
     @staticmethod
-    def _build(metadata: object) -> TreeNodes | None:
-        batch = metadata.seq_lens.shape[0]
-        if (metadata.num_actual_tokens < MIN_TOKENS_PER_REQUEST * batch or metadata.causal is not True
-                or getattr(metadata, "dynamic_causal", None) is not None):
+    def _build(metadata: object) -> StepNodes | None:
+        if metadata.causal is not True or getattr(metadata, "dynamic_causal", None) is not None:
             return None
+        batch = metadata.seq_lens.shape[0]
         return chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
 
     def forward(self, layer: object, tree_layer: TreeLayer, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, kv_cache: torch.Tensor, metadata: object, output: torch.Tensor) -> bool:
-        """Compute the layer's attention into ``output`` if this step is one of ours; False
-        (``output`` untouched) where vLLM's kernel should."""
-        if not self.enabled or metadata is None:
-            return False
-        nodes = self.nodes_for(metadata)
+                value: torch.Tensor, kv_cache: torch.Tensor, metadata: object, output: torch.Tensor,
+                vllm_attention: Callable[[], Any]) -> Any:
+        """The layer's attention into ``output``: by the kernel for the rows it serves, by
+        ``vllm_attention`` (vLLM's kernel on the whole step) first where it does not serve them
+        all; returns ``output``, or what ``vllm_attention`` returned when it alone computed."""
+        nodes = self.nodes_for(metadata) if self.enabled and metadata is not None else None
         if nodes is None or not (self._layout_checked or self._check_layout(layer, key, value, kv_cache, metadata)):
-            return False
+            return vllm_attention()
+        if not nodes.whole_step:
+            vllm_attention()
         tokens = metadata.num_actual_tokens
-        apply_tree_attention(query[:tokens], kv_cache, output[:tokens], nodes, tree_layer)
+        apply_tree_attention(query[:tokens], kv_cache, output[:tokens], nodes.nodes, tree_layer)
         self.layer_calls += 1
-        return True
+        return output
 
     def _check_layout(self, layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       metadata: object) -> bool:
