@@ -126,6 +126,14 @@ def test_a_tokens_attention_does_not_depend_on_what_its_step_brought(seed, windo
             assert torch.equal(alone[0], output[j])
 
 
+def test_the_rows_the_tree_fix_up_recomputes_are_left_to_it():
+    step = causal_step(np.random.default_rng(2), [4, 3], [40, 50])
+    output, vllm_calls = run_step(StepAttention(lambda metadata: np.array([2, 3])), step)
+    assert output[2:4].isnan().all() and vllm_calls == 0
+    computed = [0, 1, 4, 5, 6]
+    torch.testing.assert_close(output[computed], step[-1](torch.empty_like(output))[computed], rtol=1e-5, atol=1e-5)
+
+
 def test_chain_nodes_are_each_requests_tokens_in_order():
     step = chain_nodes(np.array([0, 3, 4], dtype=np.int32), np.array([10, 6], dtype=np.int32),
                        np.zeros((2, 1), dtype=np.int32))

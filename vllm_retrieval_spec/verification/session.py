@@ -321,12 +321,21 @@ class SpecSession:
         """Recompute the draft rows of this step's branching trees with the tree mask (and the
         layer's sliding window, soft-cap and sinks); the layers of one KV cache group share
         ``metadata``, and with it the group's node arrays and slots."""
+        group = self._kv_group(metadata)
+        self._kv_layout = tree_layer.layout
+        group.add_cache(kv_cache)
+        ops.apply_tree_attention(query, kv_cache, output, group.nodes, tree_layer)
+
+    def recomputed_rows(self, metadata: object) -> np.ndarray | None:
+        """The rows :meth:`attend` recomputes in this step's group (on the CPU build), which the
+        step attention need not compute first; None when no tree branches."""
+        return self._kv_group(metadata).nodes.rows.numpy() if self.attends(metadata) else None
+
+    def _kv_group(self, metadata: object) -> ops.TreeKVGroup:
         group = self._kv_groups.get(id(metadata))
         if group is None:
             group = self._kv_groups[id(metadata)] = ops.TreeKVGroup.build(self.plan, self._context_lens, metadata)
-            self._kv_layout = tree_layer.layout
-        group.add_cache(kv_cache)
-        ops.apply_tree_attention(query, kv_cache, output, group.nodes, tree_layer)
+        return group
 
     def finish_step(self, path_nodes: np.ndarray, num_accepted: np.ndarray) -> None:
         """Move each accepted node's K/V into the draft slot of its depth in every KV cache

@@ -15,8 +15,9 @@ drafts.
 :class:`StepAttention` (one per model runner, with ``cpu_step_attention``) therefore computes
 every causal step of a float32 layer, one-token decodes and short prefills included: the rows
 of requests bringing at most :data:`MAX_QUERY_TOKENS` tokens; a step with longer prefills runs
-vLLM's kernel first and then overwrites the other requests' rows. The step's node arrays are
-built once, with NumPy, for every layer of its KV cache group. Keys and values are read where
+vLLM's kernel first and then overwrites the other requests' rows; in a tree step it leaves
+out the draft rows the tree fix-up recomputes after it. The step's node arrays are built once,
+with NumPy, for every layer of its KV cache group. Keys and values are read where
 the backend has already written them.
 """
 
@@ -89,13 +90,21 @@ def step_attention_serves(impl: object) -> bool:
             and unsupported_attention(impl) is None)
 
 
+def without_rows(nodes: TreeNodes, rows: np.ndarray) -> TreeNodes:
+    """``nodes`` but those of the given rows (host arrays)."""
+    keep = ~np.isin(nodes.rows, rows)
+    return TreeNodes(nodes.rows[keep], nodes.block_table, nodes.request[keep], nodes.context[keep],
+                     nodes.index[keep], nodes.ancestors[keep])
+
+
 class StepAttention:
     """One runner's attention on causal steps (module docstring): the node arrays of the step's
     KV cache groups, rebuilt when a group's attention metadata changes. The first step it
     computes checks that the cache holds the keys and values where the kernel reads them; if
     not (another ISA or vLLM version), vLLM's kernel computes every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, recomputed_rows: Callable[[object], np.ndarray | None] = lambda metadata: None) -> None:
+        self._recomputed_rows = recomputed_rows  # rows the tree fix-up recomputes after it (SpecSession's)
         self._metadata: list[object] = []
         self._nodes: list[StepNodes | None] = []
         self.enabled = True
@@ -115,13 +124,16 @@ class StepAttention:
         self._nodes.append(nodes)
         return nodes
 
-    @staticmethod
-    def _build(metadata: object) -> StepNodes | None:
+    def _build(self, metadata: object) -> StepNodes | None:
         if metadata.causal is not True or getattr(metadata, "dynamic_causal", None) is not None:
             return None
         batch = metadata.seq_lens.shape[0]
-        return chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
+        step = chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
+        recomputed = self._recomputed_rows(metadata)
+        if step is None or recomputed is None:
+            return step
+        return StepNodes(without_rows(step.nodes, recomputed), step.whole_step)
 
     def forward(self, layer: object, tree_layer: TreeLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, metadata: object, output: torch.Tensor,
