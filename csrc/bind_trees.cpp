@@ -322,12 +322,12 @@ struct TreeAttentionInputs {
   }
 };
 
-// Host node arrays must name query and out rows, table rows, non-empty contexts and nodes the
-// ancestor rows hold.
+// Host node arrays must name query and out rows, table rows, contexts of 0 or more tokens (0: a
+// chain starting a prefill) and nodes the ancestor rows hold.
 void check_attention_nodes(const vrs::TreeAttentionArgs& a) {
   for (int64_t m = 0; m < a.num_nodes; ++m)
     if (a.node_row[m] < 0 || a.node_row[m] >= std::min(a.query_rows, a.out_rows) ||
-        a.node_request[m] < 0 || a.node_request[m] >= a.table_rows || a.node_context[m] < 1 ||
+        a.node_request[m] < 0 || a.node_request[m] >= a.table_rows || a.node_context[m] < 0 ||
         a.node_index[m] < 0 || a.node_index[m] >= a.words * 64)
       throw std::out_of_range("tree attention: node " + std::to_string(m) +
                               " names a token row, block table row, context or tree index out "

@@ -5,7 +5,8 @@
 // Node m reads its query from token row node_row[m] of query [tokens, heads * head_size] and
 // writes that row of out (rows may be strided: vLLM's query is a view of the fused QKV). It is
 // of request r = node_request[m] (a row of block_table) with local index
-// j = node_index[m] and context length C = node_context[m] (root included) attends to the cache
+// j = node_index[m] and context length C = node_context[m] (root included; 0 for a chain that
+// starts a prefill) attends to the cache
 // positions 0..C-1 and to C + a for every ancestor-or-self a of j (bit a of its ancestor row).
 // Those keys are, in order, the node's path from the first token: logical positions 0..C-1+d
 // for a node at depth d (its number of ancestors-or-self), the node itself last. A sliding

@@ -95,6 +95,8 @@ def test_step_attention_equals_vllms_cpu_attention(seed, window):
     requests = int(rng.integers(1, 9))
     query_lens = [int(q) for q in rng.integers(1, 34, requests)]
     contexts = [int(c) for c in rng.integers(0, 300, requests)]
+    if seed % 2:
+        contexts[0] = 0  # a short prefill
     long_prefill = seed % 3 == 0
     if long_prefill:  # vLLM's kernel computes its rows
         query_lens.append(MAX_QUERY_TOKENS + 6)
@@ -111,7 +113,7 @@ def test_a_tokens_attention_does_not_depend_on_what_its_step_brought(seed, windo
     """Token j of a step of q tokens, the same token as a one-token decode step, and as the
     first of a step bringing it and a different number of tokens after it: bit for bit equal."""
     rng = np.random.default_rng(seed)
-    context, tokens = int(rng.integers(0, 200)), int(rng.integers(2, 40))
+    context, tokens = (0 if seed == 0 else int(rng.integers(1, 200))), int(rng.integers(2, 40))
     cache, metadata, query, keys, values, _ = step = causal_step(rng, [tokens], [context], window)
     output, _ = run_step(StepAttention(), step, window)
     slots = np.concatenate([np.zeros(context, np.int64), metadata.slot_mapping.numpy()])
@@ -167,3 +169,14 @@ def test_a_cache_in_another_layout_turns_step_attention_off(caplog):
                                   lambda: "vllm") == "vllm"
     assert not step_attention.enabled and not output.any()
     assert "vLLM's attention computes every step" in caplog.text
+
+
+def test_a_step_the_kernel_refuses_goes_to_vllm_and_turns_it_off(caplog):
+    cache, metadata, query, keys, values, _ = causal_step(np.random.default_rng(3), [3, 4], [40, 50])
+    metadata.block_table = metadata.block_table[:, :1]  # too narrow for the requests' positions
+    output = torch.full_like(query, float("nan"))
+    step_attention = StepAttention()
+    assert step_attention.forward(VLLM_LAYER, layer(), query, keys, values, cache, metadata, output,
+                                  lambda: "vllm") == "vllm"
+    assert not step_attention.enabled and output.isnan().all()
+    assert "past the block table" in caplog.text

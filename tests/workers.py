@@ -31,7 +31,7 @@ def keep_worker_to_its_cores() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if worker is None or count < 2 or len(cores) < count:
         return
-    index = int(worker.removeprefix("gw"))
+    index = int(worker.removeprefix("gw")) % count  # a crashed worker's replacement takes its number past count
     share = cores[index * len(cores) // count:(index + 1) * len(cores) // count]
     os.sched_setaffinity(0, share)
     os.environ["OMP_NUM_THREADS"] = str(len(share))

@@ -101,7 +101,8 @@ class StepAttention:
     """One runner's attention on causal steps (module docstring): the node arrays of the step's
     KV cache groups, rebuilt when a group's attention metadata changes. The first step it
     computes checks that the cache holds the keys and values where the kernel reads them; if
-    not (another ISA or vLLM version), vLLM's kernel computes every step."""
+    not (another ISA or vLLM version), or if the kernel refuses a step's arrays, vLLM's kernel
+    computes that step and every later one (a warning says why) rather than the engine stopping."""
 
     def __init__(self, recomputed_rows: Callable[[object], np.ndarray | None] = lambda metadata: None) -> None:
         self._recomputed_rows = recomputed_rows  # rows the tree fix-up recomputes after it (SpecSession's)
@@ -147,9 +148,17 @@ class StepAttention:
         if not nodes.whole_step:
             vllm_attention()
         tokens = metadata.num_actual_tokens
-        apply_tree_attention(query[:tokens], kv_cache, output[:tokens], nodes.nodes, tree_layer)
+        try:
+            apply_tree_attention(query[:tokens], kv_cache, output[:tokens], nodes.nodes, tree_layer)
+        except (IndexError, ValueError) as error:  # the kernel refused the step before computing
+            self._turn_off(error)
+            return vllm_attention()
         self.layer_calls += 1
         return output
+
+    def _turn_off(self, error: Exception) -> None:
+        logger.warning("retrieval_spec.cpu_step_attention: off, vLLM's attention computes every step (%s)", error)
+        self.enabled = False
 
     def _check_layout(self, layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       metadata: object) -> bool:
@@ -159,8 +168,7 @@ class StepAttention:
             check_layout(kv_cache, KVLayout.CPU_VEC, metadata.slot_mapping[:tokens].long(), key[:tokens],
                          value[:tokens])
         except TreeAttentionError as error:
-            logger.warning("retrieval_spec.cpu_step_attention: off, vLLM's attention computes every step (%s)", error)
-            self.enabled = False
+            self._turn_off(error)
             return False
         self._layout_checked = True
         return True
