@@ -1,6 +1,7 @@
 """The suite on several pytest-xdist workers (``scripts/test.sh`` runs two, ``--dist loadfile``):
 each worker keeps to its own share of the cores, and the files that start OpenAI servers run on
-one worker, one after another, as if they were one file.
+one worker, one after another, as if they were one file (with the files too memory-heavy to run
+beside them).
 
 On a 2-core machine much of the suite's time is single-threaded (importing vLLM in each server
 process, building stores, tokenizing): two workers of one core each overlap it with the other's
@@ -18,7 +19,12 @@ from xdist.scheduler import LoadFileScheduling
 
 SERVER_FILES = ("test_e2e_server.py", "test_faults.py", "test_load.py", "test_seeded_sampling.py",
                 "test_datastore_from_server.py", "test_parallel.py")
-SERVER_GROUP = "tests/<files starting servers>"
+# Files whose engines take too much memory to overlap the servers (Gemma-3-270m's: ~7.2 GB at
+# peak; the two together were killed by the kernel's OOM killer on a 24 GB VM): they run in the
+# servers' unit, after them.
+MEMORY_HEAVY_FILES = ("test_gemma.py",)
+SERVER_UNIT = SERVER_FILES + MEMORY_HEAVY_FILES
+SERVER_GROUP = "tests/<files starting servers, then the memory-heavy ones>"
 SERVER_FIXTURES = frozenset({"plain_server", "rest_server"})
 
 
@@ -43,19 +49,20 @@ def starts_servers(item: pytest.Item) -> bool:
 
 def order_for_workers(items: list[pytest.Item]) -> None:
     """The server files first (the longest unit of work, in collection order: their tests share
-    servers, and some count what a server served before them), then the files that run engines,
-    then the rest; a test starting a server outside ``SERVER_FILES`` is a usage error (it would
-    start its own on another worker)."""
+    servers, and some count what a server served before them), then ``MEMORY_HEAVY_FILES``, then
+    the files that run engines, then the rest; a test starting a server outside ``SERVER_FILES``
+    is a usage error (it would start its own on another worker)."""
     strays = sorted({item.path.name for item in items if starts_servers(item) and item.path.name not in SERVER_FILES})
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)} start(s) servers: add to SERVER_FILES in tests/workers.py")
     engine_files = {item.path for item in items if item.get_closest_marker("engine")}
-    items.sort(key=lambda item: (0,) if item.path.name in SERVER_FILES else (1, item.path not in engine_files))
+    items.sort(key=lambda item: (0, item.path.name not in SERVER_FILES) if item.path.name in SERVER_UNIT
+               else (1, item.path not in engine_files))
 
 
 class ServerFilesTogether(LoadFileScheduling):
-    """``--dist loadfile``, with the server files as one unit."""
+    """``--dist loadfile``, with the server files and the memory-heavy ones as one unit."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
-        return SERVER_GROUP if Path(path).name in SERVER_FILES else path
+        return SERVER_GROUP if Path(path).name in SERVER_UNIT else path
