@@ -119,7 +119,6 @@ struct Workspace {
   std::vector<int> first;  // per row: the first key its window keeps (tree_attention.h)
   std::vector<int> skip;   // per row: keys of the current block before its window
   std::vector<int> stop;   // per row: keys of the current block up to itself (a chain's rows)
-  std::vector<int> end;    // per row: its keys' end, counted from the first (a chain's rows)
   int stride = 0;
 
   void reset(int rows, int head_size, int block_size, int max_tree_nodes) {
@@ -132,7 +131,6 @@ struct Workspace {
     first.assign(rows, 0);
     skip.assign(rows, 0);
     stop.assign(rows, 0);
-    end.assign(rows, 0);
   }
 };
 
@@ -400,8 +398,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     for (int d = 0; d < hs; ++d) ws.q[static_cast<size_t>(r) * hs + d] = to_float(src[d]) * a.scale;
     ws.first[r] = first_key(a, view.context, depth_of(a, node));
     window_start = std::min(window_start, ws.first[r]);
-    ws.end[r] = view.context + a.node_index[node] + 1;
-    if (chain) keys_end = std::max(keys_end, ws.end[r]);
+    if (chain) keys_end = std::max(keys_end, view.context + a.node_index[node] + 1);
     if (a.sinks) {  // the sink: a key of score sinks[head] and no value
       ws.max[r] = a.sinks[head];
       ws.sum[r] = 1.0f;
@@ -414,7 +411,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     const int n = chain ? std::min(bs, (n_values + kChunk - 1) / kChunk * kChunk) : n_values;
     for (int r = 0; r < rows; ++r) {
       ws.skip[r] = std::max(0, ws.first[r] - start);
-      ws.stop[r] = ws.end[r] - start;
+      if (chain) ws.stop[r] = view.context + a.node_index[tile.begin + r / group] + 1 - start;
     }
     const T* next = start + bs < keys_end ? cache + view.block_base(start + bs, g) : nullptr;
     score_block(ws, rows, n, hs, bs, cache + base, st, next);

@@ -131,8 +131,7 @@ class StepAttention:
         batch = metadata.seq_lens.shape[0]
         step = chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
-        recomputed = self._recomputed_rows(metadata)
-        if step is None or recomputed is None:
+        if step is None or (recomputed := self._recomputed_rows(metadata)) is None:
             return step
         return StepNodes(without_rows(step.nodes, recomputed), step.whole_step)
 
