@@ -168,6 +168,7 @@ CONFIGS: dict[str, dict] = {
     # 2026-11-29, on every causal step; before, opt-in on verification steps: the files of that date and
     # before name it "rest_k32_step_attention", and "rest_k32_vllm_attention" the A/B partner with it off).
     "rest_k32_vllm_attention": _ours("RestProposer", 32, cpu_step_attention=False),
+    "rest_k32_native_norms": _ours("RestProposer", 32, cpu_fused_norms=False),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},

@@ -64,6 +64,12 @@ def linear_kinds(llm) -> set[str]:
             if hasattr(module, "cpu_linear")}
 
 
+def norm_kinds(llm) -> set[str]:
+    """The types of the model's RMSNorm forwards (vLLM's bound methods, or our FusedRMSNorm)."""
+    return {type(module._forward_method).__name__ for module in model_runner_of(llm).model.modules()
+            if type(module).__name__ == "RMSNorm"}
+
+
 def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
     """With the default options, so every layer of the float32 model runs the skinny GEMM on
     steps of up to cpu_gemm_max_rows rows (x86 with AVX2)."""
@@ -132,9 +138,10 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
     sessions = []
     for tree, budget, step_attention in ((True, "fixed", True), (False, "auto", True), (True, "auto", False)):
         # the chain engine on vLLM's GEMM throughout, the tree engines on the skinny one; the first two
-        # compute their steps' attention with the plugin's kernel (cpu_step_attention), the last with vLLM's
+        # compute their steps' attention with the plugin's kernel (cpu_step_attention) and their norms with
+        # vLLM's fused kernels (cpu_fused_norms), the last both with vLLM's own
         options = {"datastore": str(code_store), "tree": tree, "budget": budget, "cpu_step_attention": step_attention,
-                   **({} if tree else {"cpu_gemm_max_rows": 0})}
+                   "cpu_fused_norms": step_attention, **({} if tree else {"cpu_gemm_max_rows": 0})}
         with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
             run = generate(llm, prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT)
             flush_finished_requests(llm)
@@ -142,6 +149,7 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
             assert ("SkinnyLinear" in linear_kinds(llm)) == (tree and pays_on_this_cpu())
             kernel = drafter_of(llm).session.step_attention
             assert (kernel is not None and kernel.enabled and kernel.layer_calls > 0) == step_attention
+            assert norm_kinds(llm) == ({"FusedRMSNorm"} if step_attention else {"method"})
         assert [r.output_ids for r in run.records] == [r.output_ids for r in expected.records[:6]], f"tree={tree}"
     first, chain, last = sessions
     assert first is not last and first.tree_mode and last.tree_mode and not chain.tree_mode

@@ -70,6 +70,7 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
         "aux_hidden_states", "spec_decode_metadata")),
     VllmSymbol(RUNNER, "GPUModelRunner._prepare_inputs", params=("scheduler_output",)),
     VllmSymbol(RUNNER, "GPUModelRunner.load_model"),
+    VllmSymbol(RUNNER, "GPUModelRunner.get_model"),
     VllmSymbol(RUNNER, "GPUModelRunner._sample"),
     VllmSymbol(RUNNER, "GPUModelRunner._bookkeeping_sync"),
     # the runner's and its input batch's state, read every step
@@ -100,6 +101,10 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     # the skinny GEMM of verification steps: vLLM's CPU GEMM dispatch, wrapped while our runner loads
     VllmSymbol("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", params=("layer", "remove_weight"),
                platform="cpu"),
+    # fused norms (kernels/fused_norm.py): each float32 RMSNorm's dispatched forward, replaced per instance
+    VllmSymbol("vllm.model_executor.layers.layernorm", "RMSNorm", CLASS, platform="cpu"),
+    *_many("vllm.model_executor.layers.layernorm", "RMSNorm", INSTANCE,
+           "_forward_method weight variance_epsilon variance_size_override has_weight", "cpu"),
     # tree attention: every layer's backend forward, its KV cache metadata, the layer types
     *(VllmSymbol(module, f"{impl}.forward", params=_ATTENTION_FORWARD, platform=platform)
       for module, impl, _, platform in _ATTENTION_BACKENDS),

@@ -33,6 +33,7 @@ from vllm_retrieval_spec.integration.patch_surface import (
     supported_versions,
 )
 from vllm_retrieval_spec.kernels.attention import KVLayout
+from vllm_retrieval_spec.kernels.fused_norm import FusedRMSNorm, fused_kernels_available
 from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear, pays_on_this_cpu
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
@@ -325,6 +326,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         _install_tree_attention(runner, session)
     if rows := _skinny_gemm_rows(runner, options):
         _install_skinny_gemm(runner, rows)
+    if options.cpu_fused_norms and runner.device.type == "cpu":
+        _install_fused_norms(runner)
     _install_sampler(runner, session, options.candidate_replacement)
     return session
 
@@ -502,6 +505,33 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
         return load_model
 
     _hook(runner, "load_model", load_with_skinny_gemm)
+
+
+def _install_fused_norms(runner: GPUModelRunner) -> None:
+    """Once the model is loaded, every float32 ``RMSNorm`` layer runs vLLM's fused CPU kernels
+    (:mod:`~vllm_retrieval_spec.kernels.fused_norm`); other norms (Gemma's, per-head ones of
+    another size) keep their own forward."""
+    if not fused_kernels_available():
+        raise UnsupportedVllmError(
+            f"vllm_retrieval_spec: this vLLM {vllm_version()} CPU build has no torch.ops._C.rms_norm / "
+            f"fused_add_rms_norm for retrieval_spec.cpu_fused_norms; set it false in --additional-config")
+
+    def hook_norms(original: Callable) -> Callable:
+        def load_model(*args, **kwargs):
+            from vllm.model_executor.layers.layernorm import RMSNorm
+
+            result = original(*args, **kwargs)
+            norms = [module for module in runner.get_model().modules()
+                     if type(module) is RMSNorm and FusedRMSNorm.accepts(module)]
+            for norm in norms:
+                require_instance_attributes(vllm_version(), {"RMSNorm": norm})
+                norm._forward_method = FusedRMSNorm(norm, norm._forward_method)
+            logger.info("retrieval_spec.cpu_fused_norms: %d RMSNorm layers run vLLM's fused CPU kernels", len(norms))
+            return result
+
+        return load_model
+
+    _hook(runner, "load_model", hook_norms)
 
 
 def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> None:
