@@ -521,12 +521,14 @@ def _install_fused_norms(runner: GPUModelRunner) -> None:
             from vllm.model_executor.layers.layernorm import RMSNorm
 
             result = original(*args, **kwargs)
-            norms = [module for module in runner.get_model().modules()
-                     if type(module) is RMSNorm and FusedRMSNorm.accepts(module)]
-            for norm in norms:
+            norms = [module for module in runner.get_model().modules() if type(module) is RMSNorm]
+            for norm in norms:  # what accepts() reads and what is replaced, before anything is
                 require_instance_attributes(vllm_version(), {"RMSNorm": norm})
+            fused = [norm for norm in norms if FusedRMSNorm.accepts(norm)]
+            for norm in fused:
                 norm._forward_method = FusedRMSNorm(norm, norm._forward_method)
-            logger.info("retrieval_spec.cpu_fused_norms: %d RMSNorm layers run vLLM's fused CPU kernels", len(norms))
+            logger.info("retrieval_spec.cpu_fused_norms: %d of %d RMSNorm layers run vLLM's fused CPU kernels",
+                        len(fused), len(norms))
             return result
 
         return load_model

@@ -42,10 +42,9 @@ class FusedRMSNorm:
     @staticmethod
     def accepts(layer: torch.nn.Module) -> bool:
         """Whether the kernels compute ``layer`` (an ``RMSNorm``) as its own forward does."""
-        weight = getattr(layer, "weight", None)
-        return (getattr(layer, "has_weight", False) and getattr(layer, "variance_size_override", 0) is None
-                and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.shape[0] % _LANES == 0)
+        weight = layer.weight
+        return (layer.has_weight and layer.variance_size_override is None and weight.dim() == 1
+                and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[0] % _LANES == 0)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
