@@ -2,7 +2,7 @@
 
 vLLM 0.32's CPU build runs every ``RMSNorm`` through its PyTorch-native implementation: about
 seven operators a call (square, mean, add, reciprocal root, two products, and the residual's add),
-75-170 us each on a 2-core VM however few rows a step has, so two norms a layer cost a 30-layer
+75-170 us a call on a 2-core VM however few rows a step has, so two norms a layer cost a 30-layer
 model ~6 ms a decode or verification step. The same build ships fused C++ kernels for both forms
 (``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``, 6-30 us a call) that its IR dispatch does not
 pick on CPUs. Both compute each row alone, in the same order whatever the rows beside it, so a
