@@ -516,24 +516,32 @@ def _install_fused_norms(runner: GPUModelRunner) -> None:
             f"vllm_retrieval_spec: this vLLM {vllm_version()} CPU build has no torch.ops._C.rms_norm / "
             f"fused_add_rms_norm for retrieval_spec.cpu_fused_norms; set it false in --additional-config")
 
-    def hook_norms(original: Callable) -> Callable:
-        def load_model(*args, **kwargs):
-            from vllm.model_executor.layers.layernorm import RMSNorm
+    def fuse_norms() -> None:
+        from vllm.model_executor.layers.layernorm import RMSNorm
 
+        norms = [module for module in runner.get_model().modules() if type(module) is RMSNorm]
+        for norm in norms:  # what accepts() reads and what is replaced, before anything is
+            require_instance_attributes(vllm_version(), {"RMSNorm": norm})
+        fused = [norm for norm in norms if FusedRMSNorm.accepts(norm)]
+        for norm in fused:
+            norm._forward_method = FusedRMSNorm(norm, norm._forward_method)
+        logger.info("retrieval_spec.cpu_fused_norms: %d of %d RMSNorm layers run vLLM's fused CPU kernels",
+                    len(fused), len(norms))
+
+    _after_model_loads(runner, fuse_norms)
+
+
+def _after_model_loads(runner: GPUModelRunner, install: Callable[[], None]) -> None:
+    """Run ``install`` each time the runner's ``load_model`` returns (hooks installed earlier run first)."""
+    def make(original: Callable) -> Callable:
+        def load_model(*args, **kwargs):
             result = original(*args, **kwargs)
-            norms = [module for module in runner.get_model().modules() if type(module) is RMSNorm]
-            for norm in norms:  # what accepts() reads and what is replaced, before anything is
-                require_instance_attributes(vllm_version(), {"RMSNorm": norm})
-            fused = [norm for norm in norms if FusedRMSNorm.accepts(norm)]
-            for norm in fused:
-                norm._forward_method = FusedRMSNorm(norm, norm._forward_method)
-            logger.info("retrieval_spec.cpu_fused_norms: %d of %d RMSNorm layers run vLLM's fused CPU kernels",
-                        len(fused), len(norms))
+            install()
             return result
 
         return load_model
 
-    _hook(runner, "load_model", hook_norms)
+    _hook(runner, "load_model", make)
 
 
 def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> None:
@@ -546,21 +554,16 @@ def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> Non
         return
     step_attention = session.step_attention = StepAttention(session.recomputed_rows)
 
-    def hook_layers(original: Callable) -> Callable:
-        def load_model(*args, **kwargs):
-            result = original(*args, **kwargs)
-            layers = 0
-            for impl in _attention_impls(runner):
-                if step_attention_serves(impl):
-                    _hook(impl, "forward", _step_forward(step_attention, TreeLayer.of(impl, KVLayout.CPU_VEC)))
-                    layers += 1
-            logger.info("retrieval_spec.cpu_step_attention: %d attention layers run the plugin's kernel on "
-                        "verification steps", layers)
-            return result
+    def hook_layers() -> None:
+        layers = 0
+        for impl in _attention_impls(runner):
+            if step_attention_serves(impl):
+                _hook(impl, "forward", _step_forward(step_attention, TreeLayer.of(impl, KVLayout.CPU_VEC)))
+                layers += 1
+        logger.info("retrieval_spec.cpu_step_attention: %d attention layers run the plugin's kernel on "
+                    "verification steps", layers)
 
-        return load_model
-
-    _hook(runner, "load_model", hook_layers)
+    _after_model_loads(runner, hook_layers)
 
 
 def _step_forward(step_attention: StepAttention, tree_layer: TreeLayer) -> Callable[[Callable], Callable]:
@@ -594,15 +597,7 @@ def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> Non
     if runner.device.type == "cuda":
         keep_attention_eager(runner.compilation_config)
 
-    def hook_attention(original: Callable) -> Callable:
-        def load_model(*args, **kwargs):
-            result = original(*args, **kwargs)
-            _hook_attention_layers(runner, session)
-            return result
-
-        return load_model
-
-    _hook(runner, "load_model", hook_attention)
+    _after_model_loads(runner, lambda: _hook_attention_layers(runner, session))
 
 
 def keep_attention_eager(compilation_config: CompilationConfig) -> None:

@@ -49,7 +49,7 @@ class FusedRMSNorm:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not self._takes(x, residual):
-            return self.fallback(x) if residual is None else self.fallback(x, residual)
+            return self.fallback(x, residual)
         if residual is None:
             out = torch.empty_like(x)
             self._norm(out, x, self.weight, self.epsilon)
