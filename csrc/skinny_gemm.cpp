@@ -84,6 +84,109 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// AVX-512: a panel's 16 columns fill one register, so a block takes two panels (or one at the
+// end of a share) × up to 12 rows of x: 24 accumulators, each x broadcast folded into its
+// multiply-add. Every output is still one lane's multiply-adds over k in order, as above: the
+// same sums, bit for bit, as the AVX2 blocks compute.
+#define VRS_WIDE __attribute__((target("arch=x86-64-v4")))
+constexpr int kWideLanes = 16;
+constexpr int kWideRowBlock = 12;
+
+typedef float WideLanes __attribute__((vector_size(kWideLanes * sizeof(float))));
+
+VRS_WIDE VRS_INLINE WideLanes wide_load(const float* p) {
+  WideLanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+VRS_WIDE VRS_INLINE WideLanes wide_splat(float s) {
+  const WideLanes v = {s};
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// y[m + r, columns of panels panel .. panel + P - 1] for r < M.
+template <int M, int P>
+VRS_WIDE VRS_INLINE void wide_block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
+  const int64_t K = a.in_features;
+  const float* w = a.w + panel * K * kSkinnyGemmPanel;
+  const float* x = a.x + m * K;
+  WideLanes acc[M][P];
+  for (int r = 0; r < M; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = WideLanes{};
+  for (int64_t k = 0; k < K; ++k) {
+    WideLanes wp[P];
+    for (int p = 0; p < P; ++p) wp[p] = wide_load(w + (p * K + k) * kSkinnyGemmPanel);
+    for (int r = 0; r < M; ++r) {
+      const WideLanes xv = wide_splat(x[r * K + k]);
+      for (int p = 0; p < P; ++p) acc[r][p] += wp[p] * xv;
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = (panel + p) * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
+    float* y = a.y + m * a.out_features + n;
+    for (int r = 0; r < M; ++r, y += a.out_features) {
+      float sums[kSkinnyGemmPanel];
+      std::memcpy(sums, &acc[r][p], sizeof(sums));
+      for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
+    }
+  }
+}
+
+template <int P>
+VRS_WIDE VRS_INLINE void wide_blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t rows,
+                                     int64_t count) {
+  for (int64_t i = 0; i < count; ++i, m += rows) {
+    switch (rows) {
+      case 12: wide_block<12, P>(a, panel, m); break;
+      case 11: wide_block<11, P>(a, panel, m); break;
+      case 10: wide_block<10, P>(a, panel, m); break;
+      case 9: wide_block<9, P>(a, panel, m); break;
+      case 8: wide_block<8, P>(a, panel, m); break;
+      case 7: wide_block<7, P>(a, panel, m); break;
+      case 6: wide_block<6, P>(a, panel, m); break;
+      case 5: wide_block<5, P>(a, panel, m); break;
+      case 4: wide_block<4, P>(a, panel, m); break;
+      case 3: wide_block<3, P>(a, panel, m); break;
+      case 2: wide_block<2, P>(a, panel, m); break;
+      default: wide_block<1, P>(a, panel, m); break;
+    }
+  }
+}
+
+// Panels [begin, end) for every row, two at a time, the rows in blocks of at most kWideRowBlock
+// as even as they go.
+VRS_WIDE void wide_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
+  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count,
+                larger = a.rows % count;
+  for (int64_t panel = begin; panel < end; panel += 2) {
+    int64_t m = 0;
+    if (panel + 1 < end) {
+      wide_blocks<2>(a, panel, m, size + 1, larger);
+      wide_blocks<2>(a, panel, m, size, count - larger);
+    } else {
+      wide_blocks<1>(a, panel, m, size + 1, larger);
+      wide_blocks<1>(a, panel, m, size, count - larger);
+    }
+  }
+}
+
+bool has_wide_lanes() {
+  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return wide;
+}
+#else
+void wide_panels(const SkinnyGemmArgs&, int64_t, int64_t) {}
+bool has_wide_lanes() { return false; }
+#endif
+
+// Panels [begin, end) for every row, on the widest vectors the CPU has.
+void any_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
+  if (has_wide_lanes()) wide_panels(a, begin, end);
+  else panels(a, begin, end);
+}
+
 struct TeamTask {
   const SkinnyGemmArgs* args;
   int64_t panels;
@@ -93,7 +196,7 @@ struct TeamTask {
 void run_share(void* context) {
   const auto& task = *static_cast<const TeamTask*>(context);
   const int64_t threads = omp_team_size(), me = omp_team_member();
-  panels(*task.args, task.panels * me / threads, task.panels * (me + 1) / threads);
+  any_panels(*task.args, task.panels * me / threads, task.panels * (me + 1) / threads);
 }
 
 }  // namespace
@@ -104,7 +207,7 @@ void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
   const int64_t count = (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel;
   const int64_t threads = std::min<int64_t>(skinny_gemm_threads(), count / kPanelsPerThread);
   if (threads <= 1) {
-    panels(args, 0, count);
+    any_panels(args, 0, count);
     return;
   }
   TeamTask task{&args, count};

@@ -126,6 +126,7 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
     assert drafter.stats.failures == 0
     stats = drafter.session.stats
     assert stats.tree_steps > 0, "no step verified a branching tree"
+    assert drafter.session.step_attention.tree_layer_calls > 0, "the tree rows were left to the fix-up"
     assert stats.compacted_slots > 0, "no accepted path needed KV compaction"
     assert drafter.session.requests == {}, "finished requests left state behind"
 

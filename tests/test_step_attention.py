@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from vllm_retrieval_spec.compat import configure_vllm_environment
-from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes
 from vllm_retrieval_spec.verification.step_attention import MAX_QUERY_TOKENS, StepAttention, chain_nodes
-from vllm_retrieval_spec.verification.tree_attention import TreeLayer
+from vllm_retrieval_spec.verification.tree_attention import TreeLayer, apply_tree_attention
 
 configure_vllm_environment()
 ops = pytest.importorskip("vllm._custom_ops")
@@ -128,12 +128,49 @@ def test_a_tokens_attention_does_not_depend_on_what_its_step_brought(seed, windo
             assert torch.equal(alone[0], output[j])
 
 
-def test_the_rows_the_tree_fix_up_recomputes_are_left_to_it():
-    step = causal_step(np.random.default_rng(2), [4, 3], [40, 50])
-    output, vllm_calls = run_step(StepAttention(lambda metadata: np.array([2, 3])), step)
-    assert output[2:4].isnan().all() and vllm_calls == 0
-    computed = [0, 1, 4, 5, 6]
-    torch.testing.assert_close(output[computed], step[-1](torch.empty_like(output))[computed], rtol=1e-5, atol=1e-5)
+def fix_up_nodes(metadata, request: int, rows: list[int], parents: list[int]) -> TreeNodes:
+    """The tree fix-up's nodes (:func:`~vllm_retrieval_spec.verification.tree_attention.tree_nodes`)
+    for draft ``rows`` of ``request``'s tree whose draft nodes have ``parents`` (-1: the root):
+    the root counted in the context, draft nodes indexed from 0, ancestor-or-self bits."""
+    ancestors = []
+    for node, parent in enumerate(parents):
+        ancestors.append((1 << node) | (0 if parent < 0 else ancestors[parent]))
+    start = int(metadata.query_start_loc[request])
+    context = int(metadata.seq_lens[request]) - (int(metadata.query_start_loc[request + 1]) - start) + 1
+    index = [row - start - 1 for row in rows]
+    return TreeNodes(torch.tensor(rows, dtype=torch.int64), metadata.block_table.to(torch.int32),
+                     torch.full((len(rows),), request, dtype=torch.int32),
+                     torch.full((len(rows),), context, dtype=torch.int32), torch.tensor(index, dtype=torch.int32),
+                     torch.tensor([[ancestors[i]] for i in index], dtype=torch.uint64))
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_tree_step_computes_the_tree_rows_in_the_same_call(window):
+    """Request 0 brings a root and a tree of 5 draft nodes whose leading chain is nodes 0-1:
+    one call computes the other rows as the tree fix-up would, bit for bit, and the leading
+    chain's rows as a causal step computes them, bit for bit."""
+    step = causal_step(np.random.default_rng(2), [6, 3], [40, 50], window)
+    tree = fix_up_nodes(step[1], 0, [3, 4, 5], [-1, 0, -1, 2, 0])
+    step_attention = StepAttention(lambda metadata: tree)
+    output, vllm_calls = run_step(step_attention, step, window)
+    assert vllm_calls == 0 and step_attention.take_computed_tree_rows() and step_attention.tree_layer_calls == 1
+    assert not step_attention.take_computed_tree_rows()  # taken
+    cache, _, query, *_ = step
+    fixed_up = torch.full_like(query, float("nan"))
+    apply_tree_attention(query, cache, fixed_up, tree, layer(window))
+    assert torch.equal(output[3:6], fixed_up[3:6])
+    chain, _ = run_step(StepAttention(), step, window)
+    assert torch.equal(output[[0, 1, 2, 6, 7, 8]], chain[[0, 1, 2, 6, 7, 8]])
+
+
+def test_the_tree_rows_of_a_request_the_kernel_does_not_serve_are_left_to_the_fix_up():
+    long = MAX_QUERY_TOKENS + 2
+    step = causal_step(np.random.default_rng(4), [3, long], [40, 10])
+    tree = fix_up_nodes(step[1], 1, [3 + 5], [-1] * 5)  # a draft row of the long request
+    step_attention = StepAttention(lambda metadata: tree)
+    output, vllm_calls = run_step(step_attention, step)
+    assert vllm_calls == 1 and not step_attention.take_computed_tree_rows()
+    assert output[:3].isfinite().all()
 
 
 def test_chain_nodes_are_each_requests_tokens_in_order():

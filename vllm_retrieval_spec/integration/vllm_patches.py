@@ -552,7 +552,7 @@ def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> Non
         logger.info("retrieval_spec.cpu_step_attention: the model runs in %s, not float32; vLLM's attention "
                     "computes every step", runner.model_config.dtype)
         return
-    step_attention = session.step_attention = StepAttention(session.recomputed_rows)
+    step_attention = session.step_attention = StepAttention(session.tree_rows)
 
     def hook_layers() -> None:
         layers = 0

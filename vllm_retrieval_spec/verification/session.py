@@ -48,7 +48,7 @@ from vllm_retrieval_spec.datastores.live_index import LiveIndex, LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.goodput.cost_model import tree_work
-from vllm_retrieval_spec.kernels.attention import KVLayout
+from vllm_retrieval_spec.kernels.attention import KVLayout, TreeNodes
 from vllm_retrieval_spec.verification import tree_attention as ops
 from vllm_retrieval_spec.verification.step_attention import StepAttention
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
@@ -319,17 +319,19 @@ class SpecSession:
     def attend(self, tree_layer: ops.TreeLayer, query: torch.Tensor, kv_cache: torch.Tensor, metadata: object,
                output: torch.Tensor) -> None:
         """Recompute the draft rows of this step's branching trees with the tree mask (and the
-        layer's sliding window, soft-cap and sinks); the layers of one KV cache group share
-        ``metadata``, and with it the group's node arrays and slots."""
+        layer's sliding window, soft-cap and sinks) unless the step attention computed them; the
+        layers of one KV cache group share ``metadata``, and with it the group's node arrays and
+        slots."""
         group = self._kv_group(metadata)
         self._kv_layout = tree_layer.layout
         group.add_cache(kv_cache)
-        ops.apply_tree_attention(query, kv_cache, output, group.nodes, tree_layer)
+        if self.step_attention is None or not self.step_attention.take_computed_tree_rows():
+            ops.apply_tree_attention(query, kv_cache, output, group.nodes, tree_layer)
 
-    def recomputed_rows(self, metadata: object) -> np.ndarray | None:
-        """The rows :meth:`attend` recomputes in this step's group (on the CPU build), which the
-        step attention need not compute first; None when no tree branches."""
-        return self._kv_group(metadata).nodes.rows.numpy() if self.attends(metadata) else None
+    def tree_rows(self, metadata: object) -> TreeNodes | None:
+        """The nodes :meth:`attend` recomputes in this step's group (on the CPU build), which the
+        step attention computes with their tree's ancestors; None when no tree branches."""
+        return self._kv_group(metadata).nodes if self.attends(metadata) else None
 
     def _kv_group(self, metadata: object) -> ops.TreeKVGroup:
         group = self._kv_groups.get(id(metadata))

@@ -15,10 +15,12 @@ drafts.
 :class:`StepAttention` (one per model runner, with ``cpu_step_attention``) therefore computes
 every causal step of a float32 layer, one-token decodes and short prefills included: the rows
 of requests bringing at most :data:`MAX_QUERY_TOKENS` tokens; a step with longer prefills runs
-vLLM's kernel first and then overwrites the other requests' rows; in a tree step it leaves
-out the draft rows the tree fix-up recomputes after it. The step's node arrays are built once,
-with NumPy, for every layer of its KV cache group. Keys and values are read where
-the backend has already written them.
+vLLM's kernel first and then overwrites the other requests' rows. In a tree step the draft
+rows after each tree's leading chain join the step's nodes as the fix-up gives them
+(:func:`with_tree_rows`), so that one call a layer computes the whole tree and the fix-up has
+nothing left to do; the kernel tiles the leading chain apart from them, so its rows still fold
+as a causal step's. The step's node arrays are built once, with NumPy, for every layer of its KV
+cache group. Keys and values are read where the backend has already written them.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ MAX_QUERY_TOKENS = 64  # a request's tokens in one step, so that one ancestor wo
 class StepNodes:
     """The rows of a step the kernel computes: every request's (``whole_step``), or, beside
     requests bringing more than :data:`MAX_QUERY_TOKENS` tokens, the others' (vLLM's kernel
-    computes the step first)."""
+    computes the step first). ``tree_rows``: they include the rows the tree fix-up would
+    recompute, with their tree ancestors."""
 
     nodes: TreeNodes
     whole_step: bool
+    tree_rows: bool = False
 
 
 def chain_nodes(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepNodes | None:
@@ -97,6 +101,22 @@ def without_rows(nodes: TreeNodes, rows: np.ndarray) -> TreeNodes:
                      nodes.index[keep], nodes.ancestors[keep])
 
 
+def with_tree_rows(step: TreeNodes, tree: TreeNodes) -> TreeNodes | None:
+    """``step``'s chain nodes with the rows of ``tree`` (the tree fix-up's nodes:
+    :func:`~vllm_retrieval_spec.verification.tree_attention.tree_nodes`) as the fix-up gives them,
+    or None when a row of ``tree`` is not among them or its ancestors need a second word. The
+    fix-up counts a tree's root in its context, so the kernel tiles its rows apart from the
+    leading chain's (tiles hold one context), which fold as a causal step's."""
+    rows = tree.rows.numpy()
+    at = np.minimum(np.searchsorted(step.rows, rows), len(step.rows) - 1)
+    tree_ancestors = tree.ancestors.numpy()
+    if not np.array_equal(step.rows[at], rows) or tree_ancestors[:, 1:].any():
+        return None
+    context, index, ancestors = step.context.copy(), step.index.copy(), step.ancestors.copy()
+    context[at], index[at], ancestors[at, 0] = tree.context.numpy(), tree.index.numpy(), tree_ancestors[:, 0]
+    return TreeNodes(step.rows, step.block_table, step.request, context, index, ancestors)
+
+
 class StepAttention:
     """One runner's attention on causal steps (module docstring): the node arrays of the step's
     KV cache groups, rebuilt when a group's attention metadata changes. The first step it
@@ -104,12 +124,14 @@ class StepAttention:
     not (another ISA or vLLM version), or if the kernel refuses a step's arrays, vLLM's kernel
     computes that step and every later one (a warning says why) rather than the engine stopping."""
 
-    def __init__(self, recomputed_rows: Callable[[object], np.ndarray | None] = lambda metadata: None) -> None:
-        self._recomputed_rows = recomputed_rows  # rows the tree fix-up recomputes after it (SpecSession's)
+    def __init__(self, tree_rows: Callable[[object], TreeNodes | None] = lambda metadata: None) -> None:
+        self._tree_rows = tree_rows  # the rows the tree fix-up recomputes (SpecSession's)
+        self._computed_tree_rows = False  # the last layer computed them
         self._metadata: list[object] = []
         self._nodes: list[StepNodes | None] = []
         self.enabled = True
         self.layer_calls = 0  # layers it computed, over every step
+        self.tree_layer_calls = 0  # of which with the rows of branching trees
         self._layout_checked = False
 
     def nodes_for(self, metadata: object) -> StepNodes | None:
@@ -131,9 +153,17 @@ class StepAttention:
         batch = metadata.seq_lens.shape[0]
         step = chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
-        if step is None or (recomputed := self._recomputed_rows(metadata)) is None:
+        if step is None or (tree := self._tree_rows(metadata)) is None:
             return step
-        return StepNodes(without_rows(step.nodes, recomputed), step.whole_step)
+        merged = with_tree_rows(step.nodes, tree)
+        if merged is None:  # a tree beyond MAX_QUERY_TOKENS: the fix-up computes its rows after vLLM's kernel
+            return StepNodes(without_rows(step.nodes, tree.rows.numpy()), step.whole_step)
+        return StepNodes(merged, step.whole_step, tree_rows=True)
+
+    def take_computed_tree_rows(self) -> bool:
+        """Whether the layer computed last holds the tree fix-up's rows (and forget it)."""
+        computed, self._computed_tree_rows = self._computed_tree_rows, False
+        return computed
 
     def forward(self, layer: object, tree_layer: TreeLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, metadata: object, output: torch.Tensor,
@@ -153,6 +183,8 @@ class StepAttention:
             self._turn_off(error)
             return vllm_attention()
         self.layer_calls += 1
+        self.tree_layer_calls += nodes.tree_rows
+        self._computed_tree_rows = nodes.tree_rows
         return output
 
     def _turn_off(self, error: Exception) -> None:
