@@ -87,11 +87,15 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // AVX-512: a panel's 16 columns fill one register, so a block takes two panels (or one at the
 // end of a share) × up to 12 rows of x: 24 accumulators, each x broadcast folded into its
-// multiply-add. Every output is still one lane's multiply-adds over k in order, as above: the
-// same sums, bit for bit, as the AVX2 blocks compute.
+// multiply-add, each panel's weights asked into the cache a page ahead. Every output is still one
+// lane's multiply-adds over k in order, as above: the same sums, bit for bit, as the AVX2 blocks
+// compute.
 #define VRS_WIDE __attribute__((target("arch=x86-64-v4")))
 constexpr int kWideLanes = 16;
 constexpr int kWideRowBlock = 12;
+// Each panel's weights asked for 64 k (4 KiB) ahead: the hardware prefetchers stop at every page
+// (1 row: 31 -> 22 ms a pass over the model's layers, 8 rows: 41 -> 25 ms; 32 k ahead gained less).
+constexpr int64_t kWidePrefetchLines = 64;
 
 typedef float WideLanes __attribute__((vector_size(kWideLanes * sizeof(float))));
 
@@ -117,7 +121,10 @@ VRS_WIDE VRS_INLINE void wide_block(const SkinnyGemmArgs& a, int64_t panel, int6
     for (int p = 0; p < P; ++p) acc[r][p] = WideLanes{};
   for (int64_t k = 0; k < K; ++k) {
     WideLanes wp[P];
-    for (int p = 0; p < P; ++p) wp[p] = wide_load(w + (p * K + k) * kSkinnyGemmPanel);
+    for (int p = 0; p < P; ++p) {
+      __builtin_prefetch(w + (p * K + k + kWidePrefetchLines) * kSkinnyGemmPanel, 0, 3);
+      wp[p] = wide_load(w + (p * K + k) * kSkinnyGemmPanel);
+    }
     for (int r = 0; r < M; ++r) {
       const WideLanes xv = wide_splat(x[r * K + k]);
       for (int p = 0; p < P; ++p) acc[r][p] += wp[p] * xv;
