@@ -256,7 +256,7 @@ class RetrievalSpecOptions:
     cpu_gemm_max_rows: int = _option(
         32, _int_in(0, 256),
         "CPU build, float32 models on x86: linear layers computing at most this many rows (a decode or verification "
-        "step) run the plugin's skinny GEMM (1.05-1.3x oneDNN's speed up to 24 rows on the 2-core x86 VMs measured) "
+        "step) run the plugin's skinny GEMM (1.05-1.5x oneDNN's speed up to 24 rows on the 2-core x86 VMs measured) "
         "instead of oneDNN's; keeps a packed float32 copy of the linear weights beside oneDNN's. 0: vLLM's GEMM "
         "everywhere",
     )
