@@ -12,6 +12,7 @@
 
 #include "bindings.h"
 #include "context_ngram.h"
+#include "isa_clones.h"
 #include "parallel.h"
 #include "skinny_gemm.h"
 #ifdef VRS_WITH_CUDA
@@ -127,6 +128,10 @@ NB_MODULE(_C, m) {
   m.attr("SKINNY_GEMM_PANEL") = vrs::kSkinnyGemmPanel;
   m.def("skinny_gemm_threads", &vrs::skinny_gemm_threads,
         "Threads skinny_gemm runs on: torch's OpenMP team once torch is loaded, else 1.");
+  m.def("use_wide_lanes", &vrs::use_wide_lanes, nb::arg("enabled"),
+        "Turns the skinny GEMM's and the attention kernel's AVX-512 paths on (where the CPU has "
+        "AVX-512F and VL, as at start) or off (their AVX2 blocks: the same sums, bit for bit); "
+        "returns whether they were on. For tests and benchmarks.");
   vrs_bind::bind_drafting(m);
   vrs_bind::bind_trees(m);
   vrs_bind::bind_live(m);

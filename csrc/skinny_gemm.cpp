@@ -84,13 +84,12 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if VRS_HAS_WIDE
 // AVX-512: a panel's 16 columns fill one register, so a block takes two panels (or one at the
 // end of a share) × up to 12 rows of x: 24 accumulators, each x broadcast folded into its
 // multiply-add, each panel's weights asked into the cache a page ahead. Every output is still one
 // lane's multiply-adds over k in order, as above: the same sums, bit for bit, as the AVX2 blocks
 // compute.
-#define VRS_WIDE __attribute__((target("arch=x86-64-v4")))
 constexpr int kWideLanes = 16;
 constexpr int kWideRowBlock = 12;
 // Each panel's weights asked for 64 k (4 KiB) ahead: the hardware prefetchers stop at every page
@@ -178,14 +177,8 @@ VRS_WIDE void wide_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
     }
   }
 }
-
-bool has_wide_lanes() {
-  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-  return wide;
-}
 #else
 void wide_panels(const SkinnyGemmArgs&, int64_t, int64_t) {}
-bool has_wide_lanes() { return false; }
 #endif
 
 // Panels [begin, end) for every row, on the widest vectors the CPU has.

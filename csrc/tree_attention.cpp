@@ -8,8 +8,10 @@
 // step's own keys as part of the blocks they lie in, whole chunks of keys at a time, masking
 // the keys after each row: a row's result then depends on its position and the cache alone,
 // bit for bit, not on how many tokens its step brought. The hot
-// function is compiled for AVX-512, AVX2+FMA and baseline x86-64 (picked at load time); this
-// file alone may contract multiply-adds (CMakeLists.txt).
+// function is compiled for AVX-512, AVX2+FMA and baseline x86-64 (picked at load time); where
+// the CPU has AVX-512 a build of its own scores keys and sums values 16 lanes at a time (each
+// score and each output dimension is still one lane's multiply-adds in order: the same sums, bit
+// for bit). This file alone may contract multiply-adds (CMakeLists.txt).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,7 +29,8 @@ namespace vrs {
 namespace {
 
 constexpr int kTileNodes = 8;
-constexpr int kChunk = 8;  // keys scored together (one AVX2 register of floats)
+constexpr int kChunk = 8;  // keys folded together (one AVX2 register of floats): the chain fold's unit
+constexpr int kWideLanes = 16;  // keys scored, or value dimensions summed, together on AVX-512
 // Multiply-adds worth one more thread of torch's OpenMP team (its threads spin between torch's
 // operators, so waking one costs a few µs).
 constexpr int64_t kAttentionGrain = int64_t{1} << 18;
@@ -54,27 +57,41 @@ VRS_INLINE void store(BFloat16* dst, float value) {  // round to nearest even, N
                                 : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// kChunk floats as one GCC vector (one AVX-512 register, two AVX2 ones, four SSE ones).
-typedef float VFloat __attribute__((vector_size(kChunk * sizeof(float))));
-typedef int32_t VInt __attribute__((vector_size(kChunk * sizeof(int32_t))));
-typedef uint16_t VBits16 __attribute__((vector_size(kChunk * sizeof(uint16_t))));
+// W floats as one GCC vector (kChunk: one AVX2 register, two SSE ones; kWideLanes: one AVX-512
+// register).
+template <int W>
+struct Lanes {
+  typedef float Float __attribute__((vector_size(W * sizeof(float))));
+  typedef int32_t Int __attribute__((vector_size(W * sizeof(int32_t))));
+  typedef uint16_t Bits16 __attribute__((vector_size(W * sizeof(uint16_t))));
+};
+typedef Lanes<kChunk>::Float VFloat;
+typedef Lanes<kChunk>::Int VInt;
 
-VRS_INLINE VFloat load_chunk(const float* p) {
-  VFloat v;
+template <int W>
+VRS_INLINE typename Lanes<W>::Float load_lanes(const float* p) {
+  typename Lanes<W>::Float v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-VRS_INLINE VFloat load_chunk(const BFloat16* p) {
-  VBits16 bits;
+template <int W>
+VRS_INLINE typename Lanes<W>::Float load_lanes(const BFloat16* p) {
+  typename Lanes<W>::Bits16 bits;
   std::memcpy(&bits, p, sizeof(bits));
-  const VInt widened = __builtin_convertvector(bits, VInt) << 16;
-  VFloat v;
+  const typename Lanes<W>::Int widened = __builtin_convertvector(bits, typename Lanes<W>::Int) << 16;
+  typename Lanes<W>::Float v;
   std::memcpy(&v, &widened, sizeof(v));
   return v;
 }
 
-VRS_INLINE void store_chunk(float* p, VFloat v) { std::memcpy(p, &v, sizeof(v)); }
+template <int W>
+VRS_INLINE void store_lanes(float* p, typename Lanes<W>::Float v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <typename T>
+VRS_INLINE VFloat load_chunk(const T* p) { return load_lanes<kChunk>(p); }
+
+VRS_INLINE void store_chunk(float* p, VFloat v) { store_lanes<kChunk>(p, v); }
 
 VRS_INLINE VFloat splat(float x) { return VFloat{} + x; }
 
@@ -198,37 +215,39 @@ VRS_INLINE void for_row_blocks(int begin, int end, Fn&& fn) {
 }
 
 // acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R) and dimensions
-// [d0, d0 + C * kChunk) (C chunks of dimensions: R * C accumulators share each load).
-template <int R, int C, typename T, typename ValueAt>
+// [d0, d0 + C * W) (C vectors of W dimensions: R * C accumulators share each load).
+template <int W, int R, int C, typename T, typename ValueAt>
 VRS_INLINE void accumulate_chunks(Workspace& ws, int r0, int d0, int n, int head_size, const T* cache,
                                   ValueAt value_at) {
   const float* p[R];
   float* acc[R];
-  VFloat sums[R][C];
+  typename Lanes<W>::Float sums[R][C];
   for (int i = 0; i < R; ++i) {
     p[i] = ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride;
     acc[i] = ws.acc.data() + static_cast<int64_t>(r0 + i) * head_size + d0;
-    for (int c = 0; c < C; ++c) sums[i][c] = load_chunk(acc[i] + c * kChunk);
+    for (int c = 0; c < C; ++c) sums[i][c] = load_lanes<W>(acc[i] + c * W);
   }
   for (int t = 0; t < n; ++t) {
     const T* v = cache + value_at(t) + d0;
-    VFloat values[C];
-    for (int c = 0; c < C; ++c) values[c] = load_chunk(v + c * kChunk);
+    typename Lanes<W>::Float values[C];
+    for (int c = 0; c < C; ++c) values[c] = load_lanes<W>(v + c * W);
     for (int i = 0; i < R; ++i)
       for (int c = 0; c < C; ++c) sums[i][c] += p[i][t] * values[c];
   }
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) store_chunk(acc[i] + c * kChunk, sums[i][c]);
+    for (int c = 0; c < C; ++c) store_lanes<W>(acc[i] + c * W, sums[i][c]);
 }
 
-// acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R).
-template <int R, typename T, typename ValueAt>
+// acc[r][d] += sum_t p[r][t] * value(t)[d] for rows [r0, r0 + R), W dimensions a vector (the
+// last ones in chunks of kChunk, then one at a time).
+template <int W, int R, typename T, typename ValueAt>
 VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, const T* cache,
                                 ValueAt value_at) {
   int d0 = 0;
-  for (; d0 + 2 * kChunk <= head_size; d0 += 2 * kChunk)
-    accumulate_chunks<R, 2>(ws, r0, d0, n, head_size, cache, value_at);
-  for (; d0 + kChunk <= head_size; d0 += kChunk) accumulate_chunks<R, 1>(ws, r0, d0, n, head_size, cache, value_at);
+  for (; d0 + 2 * W <= head_size; d0 += 2 * W) accumulate_chunks<W, R, 2>(ws, r0, d0, n, head_size, cache, value_at);
+  for (; d0 + W <= head_size; d0 += W) accumulate_chunks<W, R, 1>(ws, r0, d0, n, head_size, cache, value_at);
+  for (; d0 + kChunk <= head_size; d0 += kChunk)
+    accumulate_chunks<kChunk, R, 1>(ws, r0, d0, n, head_size, cache, value_at);
   for (int t = 0; t < n && d0 < head_size; ++t) {
     const T* v = cache + value_at(t);
     for (int i = 0; i < R; ++i) {
@@ -242,8 +261,9 @@ VRS_INLINE void accumulate_rows(Workspace& ws, int r0, int n, int head_size, con
 // Folds `n` scored keys into rows [row_begin, row_end): row r sees keys [skip[r], stop[r]) of
 // them (skip null: from 0, stop null: to n), soft-capped (softcap > 0), the others weigh
 // nothing; scores[r * stride + t] becomes exp(score - new max). Values of the first `n_values`
-// keys are read (keys past them are unseen by every row), key t's at cache + value_at(t).
-template <typename T, typename ValueAt>
+// keys are read (keys past them are unseen by every row), key t's at cache + value_at(t), W
+// dimensions a vector.
+template <int W, typename T, typename ValueAt>
 VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int n_values, int head_size,
                           const T* cache, ValueAt value_at, const int* skip, const int* stop, float softcap) {
   for (int r = row_begin; r < row_end; ++r) {
@@ -285,7 +305,7 @@ VRS_INLINE void fold_keys(Workspace& ws, int row_begin, int row_end, int n, int 
     for (int d = 0; d < head_size; ++d) acc[d] *= correction;
   }
   for_row_blocks(row_begin, row_end, [&](auto block, int r) VRS_LAMBDA_INLINE {
-    accumulate_rows<decltype(block)::value>(ws, r, n_values, head_size, cache, value_at);
+    accumulate_rows<W, decltype(block)::value>(ws, r, n_values, head_size, cache, value_at);
   });
 }
 
@@ -304,30 +324,45 @@ struct Prefetch {
   }
 };
 
-// Scores of rows [r0, r0 + R) for keys t0..t0 + C * kChunk - 1 of a block, key t0 + j's
-// dimension d at keys[d * key_d + j] (C chunks of keys: R * C accumulators share each load).
-template <int R, int C, typename T>
+// Scores of rows [r0, r0 + R) for keys t0..t0 + C * W - 1 of a block, key t0 + j's dimension d
+// at keys[d * key_d + j] (C vectors of W keys: R * C accumulators share each load).
+template <int W, int R, int C, typename T>
 VRS_INLINE void score_chunks(Workspace& ws, int r0, int t0, int head_size, const T* keys,
                              int64_t key_d, const Prefetch& ahead) {
-  VFloat sums[R][C] = {};
+  typename Lanes<W>::Float sums[R][C] = {};
   const float* q[R];
   for (int i = 0; i < R; ++i) q[i] = ws.q.data() + static_cast<int64_t>(r0 + i) * head_size;
   for (int d = 0; d < head_size; ++d) {
     ahead.step(d);
-    VFloat k[C];
-    for (int c = 0; c < C; ++c) k[c] = load_chunk(keys + d * key_d + c * kChunk);
+    typename Lanes<W>::Float k[C];
+    for (int c = 0; c < C; ++c) k[c] = load_lanes<W>(keys + d * key_d + c * W);
     for (int i = 0; i < R; ++i)
       for (int c = 0; c < C; ++c) sums[i][c] += q[i][d] * k[c];
   }
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c)
-      store_chunk(ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride + t0 + c * kChunk, sums[i][c]);
+      store_lanes<W>(ws.scores.data() + static_cast<int64_t>(r0 + i) * ws.stride + t0 + c * W, sums[i][c]);
+}
+
+// Scores of every row of the task for keys [t0, t0 + C * W) of a block while t0 + C * W <= end
+// (t0 advanced past them), the first row block asking `next` (a stretch of the next block per
+// key range, `per_step` bytes a dimension) into the cache as it goes.
+template <int W, int C, typename T>
+VRS_INLINE void score_ranges(Workspace& ws, int rows, int& t0, int end, int head_size, const T* keys,
+                             int64_t key_d, const char* next, int64_t per_step) {
+  const Prefetch none;
+  for (; t0 + C * W <= end; t0 += C * W) {
+    const Prefetch ahead{next ? next + t0 / (C * W) * head_size * per_step : nullptr, per_step};
+    for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
+      score_chunks<W, decltype(block)::value, C>(ws, r, t0, head_size, keys + t0, key_d, r == 0 ? ahead : none);
+    });
+  }
 }
 
 // Scores of the first n keys of one context block (key (t, d) at keys[t * key_t + d * key_d])
-// for every row of the task, prefetching the next block's keys and values from `next` on (null:
-// no next block).
-template <typename T>
+// for every row of the task, W keys a vector (the last in chunks of kChunk), prefetching the
+// next block's keys and values from `next` on (null: no next block).
+template <int W, typename T>
 VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int block_size,
                             const T* keys, const Strides& st, const T* next) {
   const int64_t stride = ws.stride;
@@ -336,21 +371,14 @@ VRS_INLINE void score_block(Workspace& ws, int rows, int n, int head_size, int b
   int t0 = 0;
   if (st.key_t == 1) {  // keys transposed: vectorize over keys, whole chunks within the block
     const int full = std::min(n, block_size - block_size % kChunk);
-    const int64_t steps = static_cast<int64_t>(full / (2 * kChunk)) * head_size;
+    const int64_t steps = static_cast<int64_t>(full / (2 * W)) * head_size;
     const int64_t next_bytes = int64_t{2} * block_size * head_size * static_cast<int64_t>(sizeof(T));
     const int64_t per_step = steps > 0 ? (next_bytes / steps + 63) / 64 * 64 : 0;
-    const Prefetch none;
-    for (; t0 + 2 * kChunk <= full; t0 += 2 * kChunk) {
-      const Prefetch ahead{next ? reinterpret_cast<const char*>(next) + t0 / (2 * kChunk) * head_size * per_step
-                                : nullptr, per_step};
-      for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
-        score_chunks<decltype(block)::value, 2>(ws, r, t0, head_size, keys + t0, st.key_d, r == 0 ? ahead : none);
-      });
-    }
-    for (; t0 < full; t0 += kChunk)
-      for_row_blocks(0, rows, [&](auto block, int r) VRS_LAMBDA_INLINE {
-        score_chunks<decltype(block)::value, 1>(ws, r, t0, head_size, keys + t0, st.key_d, none);
-      });
+    score_ranges<W, 2>(ws, rows, t0, full, head_size, keys, st.key_d, reinterpret_cast<const char*>(next), per_step);
+    score_ranges<W, 1>(ws, rows, t0, full, head_size, keys, st.key_d, nullptr, 0);
+    // The last chunk whole (its keys past n lie in the block, their scores unread).
+    score_ranges<kChunk, 1>(ws, rows, t0, (full + kChunk - 1) / kChunk * kChunk, head_size, keys, st.key_d,
+                            nullptr, 0);
   }
   for (int t = t0; t < n; ++t) {  // the rest, and keys stored as rows
     const T* k = keys + t * st.key_t;
@@ -378,7 +406,7 @@ inline bool is_chain(const TreeAttentionArgs& a, const Tile& tile) {
   return true;
 }
 
-template <typename T>
+template <int W, typename T>
 VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g, Workspace& ws) {
   const int group = a.heads / a.kv_heads, hs = a.head_size, bs = a.block_size;
   const int rows = static_cast<int>(tile.end - tile.begin) * group;
@@ -414,8 +442,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
       if (chain) ws.stop[r] = view.context + a.node_index[tile.begin + r / group] + 1 - start;
     }
     const T* next = start + bs < keys_end ? cache + view.block_base(start + bs, g) : nullptr;
-    score_block(ws, rows, n, hs, bs, cache + base, st, next);
-    fold_keys(ws, 0, rows, n, n_values, hs, cache,
+    score_block<W>(ws, rows, n, hs, bs, cache + base, st, next);
+    fold_keys<W>(ws, 0, rows, n, n_values, hs, cache,
               [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
               a.window > 0 ? ws.skip.data() : nullptr, chain ? ws.stop.data() : nullptr, a.softcap);
   }
@@ -444,7 +472,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
         ws.scores[static_cast<int64_t>(r) * ws.stride + t] = dot;
       }
     }
-    fold_keys(ws, first, first + group, n, n, hs, cache,
+    fold_keys<W>(ws, first, first + group, n, n, hs, cache,
               [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; }, nullptr, nullptr, a.softcap);
   }
   T* out = static_cast<T*>(a.out);
@@ -459,12 +487,28 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
 
 VRS_ISA_CLONES void attend_tile_float32(const TreeAttentionArgs& a, const Tile& tile, int g,
                                         Workspace& ws) {
-  attend_tile<float>(a, tile, g, ws);
+  attend_tile<kChunk, float>(a, tile, g, ws);
 }
 
 VRS_ISA_CLONES void attend_tile_bfloat16(const TreeAttentionArgs& a, const Tile& tile, int g,
                                          Workspace& ws) {
-  attend_tile<BFloat16>(a, tile, g, ws);
+  attend_tile<kChunk, BFloat16>(a, tile, g, ws);
+}
+
+#if VRS_HAS_WIDE
+VRS_WIDE void attend_tile_wide(const TreeAttentionArgs& a, const Tile& tile, int g, Workspace& ws) {
+  if (a.dtype == AttentionDtype::kFloat32) attend_tile<kWideLanes, float>(a, tile, g, ws);
+  else attend_tile<kWideLanes, BFloat16>(a, tile, g, ws);
+}
+#else
+void attend_tile_wide(const TreeAttentionArgs&, const Tile&, int, Workspace&) {}
+#endif
+
+// One tile's kv head on the widest vectors the CPU has.
+void attend_tile_any(const TreeAttentionArgs& a, const Tile& tile, int g, Workspace& ws) {
+  if (has_wide_lanes()) attend_tile_wide(a, tile, g, ws);
+  else if (a.dtype == AttentionDtype::kFloat32) attend_tile_float32(a, tile, g, ws);
+  else attend_tile_bfloat16(a, tile, g, ws);
 }
 
 // Runs of up to kTileNodes consecutive nodes of the same request.
@@ -515,10 +559,7 @@ void tree_attention_cpu(const TreeAttentionArgs& a, int max_threads) {
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * a.kv_heads;
   team_parallel_for(tasks, plan, [&](int64_t task) {
     thread_local Workspace ws;
-    const Tile& tile = tiles[task / a.kv_heads];
-    const int g = static_cast<int>(task % a.kv_heads);
-    if (a.dtype == AttentionDtype::kFloat32) attend_tile_float32(a, tile, g, ws);
-    else attend_tile_bfloat16(a, tile, g, ws);
+    attend_tile_any(a, tiles[task / a.kv_heads], static_cast<int>(task % a.kv_heads), ws);
   });
 }
 

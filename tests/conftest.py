@@ -6,7 +6,7 @@ import contextlib
 import importlib.util
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -112,6 +112,19 @@ def dense_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 TINY_SOURCE = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture()
+def both_lane_widths() -> Iterator[Callable[[bool], None]]:
+    """A switch between the kernels' AVX-512 paths (True) and their AVX2 blocks (False), restored
+    after the test; skips the test on a CPU without AVX-512."""
+    from vllm_retrieval_spec import _C
+
+    before = _C.use_wide_lanes(True)
+    if not _C.use_wide_lanes(True):
+        pytest.skip("this CPU has no AVX-512: only the AVX2 blocks run here")
+    yield _C.use_wide_lanes
+    _C.use_wide_lanes(before)
 
 
 @pytest.fixture()

@@ -150,6 +150,21 @@ def test_prompt_tokens_do_not_pull_down_what_a_draft_token_costs():
     assert float(model.predict(1, 17)) == pytest.approx(0.042 + 0.0015 * 16, rel=0.02)
 
 
+def test_a_wave_of_long_prompts_does_not_overturn_what_decode_steps_cost():
+    """32 requests of ~1,300-token prompts arrive after a warm-up request: chunks of 4,096 prompt
+    tokens take 6-7 seconds each, growing with the requests they hold (attention over long
+    prompts, which the linear prefill term does not model; times from doc_qa at 32 in flight);
+    the per-request and per-token costs must stay near what decode steps cost."""
+    model = StepCostModel()
+    for drafts in (3, 3, 3, 4):
+        model.observe(0.042 + 0.0015 * drafts, 1, 1 + drafts)
+    for num_reqs, seconds in ((11, 6.03), (19, 6.28), (31, 6.99)):
+        model.observe(seconds, num_reqs, 4096, prefill_tokens=4096 - num_reqs)
+    assert model.per_token == pytest.approx(0.0015, rel=0.3)
+    assert model.coefficients[1] == pytest.approx(0.002, rel=0.5)
+    assert float(model.predict(32, 32)) == pytest.approx(0.04 + 0.002 * 32, rel=0.3)
+
+
 def test_cost_model_keeps_its_prior_per_token_cost_while_steps_do_not_vary():
     model = StepCostModel(prior=(0.04, 0.002, 0.0015, 0.0, 0.0, 0.0, 0.0, 0.0))
     for _ in range(100):

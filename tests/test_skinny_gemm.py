@@ -44,6 +44,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, out_features,
         assert torch.equal(skinny_gemm(x[row:row + 1].clone(), weight, bias)[0], together[row])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 32])
+def test_avx512_blocks_give_the_avx2_blocks_sums_bit_for_bit(rows, both_lane_widths):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=generator)
+    weight, bias = torch.randn(301, 200, generator=generator), torch.randn(301, generator=generator)
+    both_lane_widths(True)
+    wide = skinny_gemm(x, weight, bias)
+    both_lane_widths(False)
+    assert torch.equal(skinny_gemm(x, weight, bias), wide)
+
+
 def test_packed_layout_is_panels_of_output_columns():
     weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
     packed = pack_weight(weight)

@@ -128,6 +128,21 @@ def test_a_tokens_attention_does_not_depend_on_what_its_step_brought(seed, windo
             assert torch.equal(alone[0], output[j])
 
 
+@pytest.mark.parametrize("window", [0, 48])
+def test_avx512_path_gives_the_avx2_paths_steps_bit_for_bit(window, both_lane_widths):
+    """Causal steps of 1-33 tokens a request over 0-300 tokens of context, blocks of 32 keys."""
+    rng = np.random.default_rng(window)
+    for _ in range(4):
+        requests = int(rng.integers(1, 6))
+        step = causal_step(rng, [int(q) for q in rng.integers(1, 34, requests)],
+                           [int(c) for c in rng.integers(0, 300, requests)], window)
+        outputs = []
+        for wide in (True, False):
+            both_lane_widths(wide)
+            outputs.append(run_step(StepAttention(), step, window)[0])
+        assert torch.equal(*outputs)
+
+
 def fix_up_nodes(metadata, request: int, rows: list[int], parents: list[int]) -> TreeNodes:
     """The tree fix-up's nodes (:func:`~vllm_retrieval_spec.verification.tree_attention.tree_nodes`)
     for draft ``rows`` of ``request``'s tree whose draft nodes have ``parents`` (-1: the root):

@@ -305,6 +305,21 @@ def test_kernel_matches_reference_on_random_trees(layout, dtype, device):
         assert bool((got[untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_avx512_path_gives_the_avx2_paths_rows_bit_for_bit(layout, dtype, both_lane_widths):
+    rng = np.random.default_rng(5)
+    for _ in range(15):
+        case = random_tree_batch(rng, layout, dtype, "cpu")
+        options = attention_options(rng, case.heads, "cpu")
+        outputs = []
+        for wide in (True, False):
+            both_lane_widths(wide)
+            outputs.append(torch.zeros(case.query.shape, dtype=dtype))
+            case.run(outputs[-1], layout, **options)
+        assert torch.equal(*outputs)
+
+
 def attention_options(rng: np.random.Generator, heads: int, device: str) -> dict:
     """A random sliding window (often narrower than the context, sometimes a single key), a
     soft-cap and attention sinks, each present about half of the time."""

@@ -18,8 +18,12 @@ stays sensible while steps do not yet vary in their token counts. Only a few: wh
 the same number of requests the data fix ``a + b·B`` but not the split, and a prior base far from
 the engine's (the CPU prior's 40 ms against 24 ms measured at 8 in flight) pulled ``c`` a quarter
 below what the logged steps of that run fit by least squares (0.68 against 0.89 ms with the ridge
-worth 16 steps, 0.81 with 4), and the chooser drafted nodes that cost more than they gave. Steps far
-slower than predicted (an idle engine waiting for requests) are not learned from. On tensor-parallel
+worth 16 steps, 0.81 with 4), and the chooser drafted nodes that cost more than they gave. A step
+counts by the share of its predicted time that is not prefill, squared: a wave of long prompts
+arrives as chunks of thousands of prompt tokens taking seconds, whose squared errors, counted in
+full, outweighed every decode step (at 32 in flight on long prompts the fit after three such chunks
+put ``b`` at 23 ms and ``c`` at 0, and the chooser verified 528 draft tokens in one 4-second step).
+Steps far slower than predicted (an idle engine waiting for requests) are not learned from. On tensor-parallel
 engines the step times are the first rank's (``clock``, ``ranks.py``).
 """
 
@@ -157,12 +161,22 @@ class StepCostModel:
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * float(self.coefficients @ x):
             self.rejected += 1
             return False
-        self._xx = self.forgetting * self._xx + np.outer(x, x)
-        self._xy = self.forgetting * self._xy + x * seconds
+        weight = self._weight(x)
+        self._xx = self.forgetting * self._xx + weight * np.outer(x, x)
+        self._xy = self.forgetting * self._xy + weight * x * seconds
         self.steps += 1
         if self.steps <= WARM_UP_STEPS or self.steps % SOLVE_EVERY_STEPS == 0:
             self._theta = None
         return True
+
+    def _weight(self, x: np.ndarray) -> float:
+        """How much a step of features ``x`` counts: the share of its predicted time that is
+        not prefill, squared (1 for a step without prompt tokens beyond one per request)."""
+        prefill = float(self.coefficients[6] * x[6])
+        if prefill <= 0.0:
+            return 1.0
+        rest = float(self.coefficients @ x) - prefill
+        return (rest / (rest + prefill)) ** 2 if rest > 0.0 else 0.0
 
     def curve(self, num_reqs: int, max_extra_tokens: int = 64) -> list[dict]:
         """The learned curve at ``num_reqs`` requests, for logs and benchmarks."""
