@@ -16,6 +16,7 @@ from vllm_retrieval_spec.goodput import (
     StepCostModel,
     choose_nodes,
 )
+from vllm_retrieval_spec.goodput.budget import PROBE_EVERY
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
 from vllm_retrieval_spec.goodput.search_gate import CREDIT_SEARCHES, EXPLORE_EVERY, SearchGate
@@ -98,6 +99,20 @@ def test_cost_model_learns_the_jump_past_the_skinny_gemms_rows():
     drafted = model.predict(8, np.array([16, 17]))
     assert drafted[1] - drafted[0] == pytest.approx(model.coefficients[2] + jump)
     assert StepCostModel().past_kernel_rows([1, 1000]).tolist() == [False, False]  # no bound: never past it
+
+
+def test_steps_past_the_skinny_gemms_rows_are_interrupted_by_probes_without_drafts():
+    """At 32 in flight every drafted step crosses the skinny GEMM's 32 rows: one step in
+    PROBE_EVERY goes without drafts, so that the cost model sees the step below them."""
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.0001, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9,
+                                              kernel_rows=32))
+    nodes = nodes_of(np.ones((32, 2)), np.tile(np.array([-1, 0], np.int32), (32, 1)), SOURCE_CONTEXT, 16)
+    req_ids = [str(i) for i in range(32)]
+    kept = [int(budget.choose(req_ids, nodes, np.full(32, 2), 32, 0.0).sum()) for _ in range(2 * PROBE_EVERY)]
+    assert kept.count(0) == 2 and kept[PROBE_EVERY - 1] == 0 and min(kept[:PROBE_EVERY - 1]) > 0
+    assert budget.stats.probe_steps == 2
+    few = nodes.subset(np.arange(15))  # 15 requests + 30 drafts cross the rows, but steps below them come alone
+    assert all(budget.choose(req_ids[:15], few, np.full(15, 2), 15, 0.0).sum() == 30 for _ in range(2 * PROBE_EVERY))
 
 
 def test_depths_and_path_products_of_a_tree():

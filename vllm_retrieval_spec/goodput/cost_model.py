@@ -37,14 +37,16 @@ from vllm_retrieval_spec.goodput.ranks import SharedClock
 from vllm_retrieval_spec.kernels.chain_choice import ChainStepCost
 
 # Start-up priors (seconds): base, per request, per draft token, per thousand tree-attention
-# node-context pairs, per sampled draft token, per step with tree attention, per prefill token;
-# the data replaces them within tens of steps. CPU: SmolLM2-135M fp32 on 2 cores (tree terms as learned at batch 1,
-# results/acceptance_code_edit_n10_t128_c1_item5_grain.json). CUDA: a 7B-shaped bf16
+# node-context pairs, per sampled draft token, per step with tree attention, per prefill token,
+# per step past the skinny GEMM's rows; the data replaces them within tens of steps. CPU:
+# SmolLM2-135M fp32 on 2 cores (tree terms as learned at batch 1,
+# results/acceptance_code_edit_n10_t128_c1_item5_grain.json; the jump past the skinny GEMM's
+# rows as learned at 8 in flight, 7-12 ms, results/acceptance_*_c8_wide_attention.json). CUDA: a 7B-shaped bf16
 # stack in CUDA graphs on an H100, fitted over steps of ≤ 1024 tokens (benchmarks/verify_cost.py,
 # results/verify_cost_h100.json); tree attention ~1.4 ms per layer for 8 trees of 16 nodes over
 # 4,000 tokens (results/tree_attention_cuda.json).
 PRIORS = {
-    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005, 0.0008, 0.0),
+    "cpu": (0.040, 0.002, 0.0015, 0.0012, 0.0002, 0.005, 0.0008, 0.008),
     "cuda": (0.0057, 0.00011, 0.000018, 0.00009, 0.00001, 0.0005, 0.000018, 0.0),
 }
 COST_TERMS = ("step", "request", "draft_token", "tree_attention_kilopair", "sampled_draft_token", "tree_step",
