@@ -444,8 +444,8 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
     const T* next = start + bs < keys_end ? cache + view.block_base(start + bs, g) : nullptr;
     score_block<W>(ws, rows, n, hs, bs, cache + base, st, next);
     fold_keys<W>(ws, 0, rows, n, n_values, hs, cache,
-              [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
-              a.window > 0 ? ws.skip.data() : nullptr, chain ? ws.stop.data() : nullptr, a.softcap);
+                 [&](int t) VRS_LAMBDA_INLINE { return base + st.value_offset + t * st.value_t; },
+                 a.window > 0 ? ws.skip.data() : nullptr, chain ? ws.stop.data() : nullptr, a.softcap);
   }
   for (int64_t node = tile.begin; node < tile.end && !chain; ++node) {  // ancestors and the node itself
     const int index = a.node_index[node];
@@ -473,7 +473,7 @@ VRS_INLINE void attend_tile(const TreeAttentionArgs& a, const Tile& tile, int g,
       }
     }
     fold_keys<W>(ws, first, first + group, n, n, hs, cache,
-              [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; }, nullptr, nullptr, a.softcap);
+                 [&](int t) VRS_LAMBDA_INLINE { return ws.node_values[t]; }, nullptr, nullptr, a.softcap);
   }
   T* out = static_cast<T*>(a.out);
   for (int r = 0; r < rows; ++r) {
