@@ -282,10 +282,11 @@ class GoodputBudget:
         logger.info(
             "goodput budget: step %.1f ms + %.2f ms/request + %.3f ms/draft token + %.3f ms/thousand tree-attention "
             "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step + %.3f ms/prefill token + "
-            "%.1f ms/step past the skinny GEMM's rows; kept %d of %d candidate nodes over %d steps (%d drafted), "
-            "%d of %d observed nodes accepted, %d searches skipped; branch roots' chances x %.2f",
+            "%.1f ms/step past the skinny GEMM's rows; kept %d of %d candidate nodes over %d steps (%d drafted, "
+            "%d probes without drafts), %d of %d observed nodes accepted, %d searches skipped; branch roots' "
+            "chances x %.2f",
             a, b, c, d, e, f, g, h, stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps,
-            stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows, self.branches.factor,
+            stats.probe_steps, stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows, self.branches.factor,
         )
 
     def chance_table(self) -> ChanceTable:

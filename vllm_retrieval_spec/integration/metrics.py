@@ -67,8 +67,8 @@ def _budget(read: Callable[[BudgetStats], Total]) -> Callable[[Counts], Total | 
 
 
 def _decisions(stats: BudgetStats) -> dict[str, int]:
-    return {"drafted": stats.drafted_steps, "declined": stats.steps - stats.drafted_steps,
-            "skipped": stats.skipped_steps}
+    return {"drafted": stats.drafted_steps, "declined": stats.steps - stats.drafted_steps - stats.probe_steps,
+            "skipped": stats.skipped_steps, "probed": stats.probe_steps}
 
 
 COUNTERS = (
@@ -88,7 +88,8 @@ COUNTERS = (
     CounterSpec("mcss_requests", "Request-steps whose candidates were drawn from the drafter's q and verified "
                 "by multi-candidate speculative sampling (candidates: sampled).", lambda c: c.tree.mcss_requests),
     CounterSpec("budget_steps", "Goodput budget steps by decision: drafted, declined (nothing worth "
-                "verifying) or skipped (no row worth searching).", _budget(_decisions), "decision"),
+                "verifying), skipped (no row worth searching) or probed (drafts dropped to measure the step "
+                "without them).", _budget(_decisions), "decision"),
     CounterSpec("budget_skipped_searches", "Request-steps whose search the goodput budget skipped.",
                 _budget(lambda b: b.skipped_rows)),
     CounterSpec("budget_candidate_nodes", "Draft nodes offered to the goodput budget.",
