@@ -115,15 +115,23 @@ TINY_SOURCE = "def add(a, b):\n    return a + b\n"
 
 
 @pytest.fixture()
-def both_lane_widths() -> Iterator[Callable[[bool], None]]:
-    """A switch between the kernels' AVX-512 paths (True) and their AVX2 blocks (False), restored
-    after the test; skips the test on a CPU without AVX-512."""
+def both_lane_widths() -> Iterator[Callable[[Callable[[], object]], list]]:
+    """Runs a kernel call on the kernels' AVX-512 paths, then on their AVX2 blocks, and returns
+    both results (the switch restored after the test); skips the test on a CPU without AVX-512."""
     from vllm_retrieval_spec import _C
 
     before = _C.use_wide_lanes(True)
     if not _C.use_wide_lanes(True):
         pytest.skip("this CPU has no AVX-512: only the AVX2 blocks run here")
-    yield _C.use_wide_lanes
+
+    def on_both(run: Callable[[], object]) -> list:
+        results = []
+        for wide in (True, False):
+            _C.use_wide_lanes(wide)
+            results.append(run())
+        return results
+
+    yield on_both
     _C.use_wide_lanes(before)
 
 

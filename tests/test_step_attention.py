@@ -6,6 +6,7 @@ test_e2e_engine.py (a tree and a chain engine) and in test_seeded_sampling.py.""
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,6 +89,11 @@ def run_step(step_attention: StepAttention, step, window: int = 0) -> tuple[torc
     return output, len(vllm_calls)
 
 
+def step_output(step, window: int = 0) -> torch.Tensor:
+    """The step's attention through a fresh :class:`StepAttention`."""
+    return run_step(StepAttention(), step, window)[0]
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("window", [0, 48])
 def test_step_attention_equals_vllms_cpu_attention(seed, window):
@@ -136,11 +142,7 @@ def test_avx512_path_gives_the_avx2_paths_steps_bit_for_bit(window, both_lane_wi
         requests = int(rng.integers(1, 6))
         step = causal_step(rng, [int(q) for q in rng.integers(1, 34, requests)],
                            [int(c) for c in rng.integers(0, 300, requests)], window)
-        outputs = []
-        for wide in (True, False):
-            both_lane_widths(wide)
-            outputs.append(run_step(StepAttention(), step, window)[0])
-        assert torch.equal(*outputs)
+        assert torch.equal(*both_lane_widths(partial(step_output, step, window)))
 
 
 def fix_up_nodes(metadata, request: int, rows: list[int], parents: list[int]) -> TreeNodes:

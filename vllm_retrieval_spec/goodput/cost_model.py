@@ -160,10 +160,11 @@ class StepCostModel:
         drafts = max(num_tokens - num_reqs - prefill_tokens, 0)
         x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens,
                       float(self.past_kernel_rows(num_tokens))])
-        if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * float(self.coefficients @ x):
+        predicted = float(self.coefficients @ x)
+        if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
             self.rejected += 1
             return False
-        weight = self._weight(x)
+        weight = self._weight(x, predicted)
         self._xx = self.forgetting * self._xx + weight * np.outer(x, x)
         self._xy = self.forgetting * self._xy + weight * x * seconds
         self.steps += 1
@@ -171,14 +172,15 @@ class StepCostModel:
             self._theta = None
         return True
 
-    def _weight(self, x: np.ndarray) -> float:
-        """How much a step of features ``x`` counts: the share of its predicted time that is
-        not prefill, squared (1 for a step without prompt tokens beyond one per request)."""
+    def _weight(self, x: np.ndarray, predicted: float) -> float:
+        """How much a step of features ``x`` and ``predicted`` seconds counts: the share of that
+        time that is not prefill, squared (1 for a step without prompt tokens beyond one per
+        request)."""
         prefill = float(self.coefficients[6] * x[6])
         if prefill <= 0.0:
             return 1.0
-        rest = float(self.coefficients @ x) - prefill
-        return (rest / (rest + prefill)) ** 2 if rest > 0.0 else 0.0
+        rest = predicted - prefill
+        return (rest / predicted) ** 2 if rest > 0.0 else 0.0
 
     def curve(self, num_reqs: int, max_extra_tokens: int = 64) -> list[dict]:
         """The learned curve at ``num_reqs`` requests, for logs and benchmarks."""
