@@ -374,7 +374,9 @@ def test_aborted_requests_leave_no_state_behind(model_dir, code_store):
 
     spec = EngineSpec(model_dir, speculative_config={"model": "vllm_retrieval_spec.RestProposer",
                                                      "num_speculative_tokens": 16},
-                      additional_config={"retrieval_spec": {"datastore": str(code_store), "tree": True}},
+                      # a fixed budget: trees that branch (the session keeps no state for chains)
+                      additional_config={"retrieval_spec": {"datastore": str(code_store), "tree": True,
+                                                            "budget": "fixed"}},
                       max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
     with running_engine(spec) as llm:
         engine, session = llm.llm_engine, drafter_of(llm).session

@@ -16,7 +16,7 @@ from vllm_retrieval_spec.goodput import (
     StepCostModel,
     choose_nodes,
 )
-from vllm_retrieval_spec.goodput.budget import PROBE_EVERY
+from vllm_retrieval_spec.goodput.budget import PROBE_EVERY, TREE_PATIENCE, TREE_RETRY_EVERY
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
 from vllm_retrieval_spec.goodput.search_gate import CREDIT_SEARCHES, EXPLORE_EVERY, SearchGate
@@ -295,6 +295,47 @@ def test_tree_mode_keeps_chains_when_branching_costs_more_than_it_gains():
     assert choose_nodes(candidates, cheap, 0.0, 0.05).keep.all()
     for dear in (dear_per_node, dear_per_step):
         np.testing.assert_array_equal(choose_nodes(candidates, dear, 0.0, 0.05).keep, main)
+
+
+def test_a_branch_that_does_not_pay_does_not_cut_the_main_path_behind_it():
+    """A branch root ranked second whose tree step does not pay: the main path behind it is
+    still kept whole (the best prefix of the joint order stopped at that branch)."""
+    parents = np.array([[-1, 0, 1, 2, -1]], np.int32)
+    chance = path_products(np.array([[0.9, 0.7, 0.9, 0.9, 0.8]]), parents)
+    main = main_paths(parents, first_children(parents, np.full(1, 5)))
+    assert main.tolist() == [[True, True, True, True, False]]
+    dear_tree_step = StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, 0.05, 0.0, 0.0), prior_steps=1e9)
+    candidates = NodeCandidates(chance, np.full(1, 5), 1, main, context_tokens=np.array([500]))
+    np.testing.assert_array_equal(choose_nodes(candidates, dear_tree_step, 0.0, 0.05).keep, main)
+
+
+def test_tree_mode_drafts_chains_after_tree_steps_that_kept_no_branch():
+    """``TREE_PATIENCE`` tree steps whose choice keeps no branch turn tree mode to chains, but for
+    one step in ``TREE_RETRY_EVERY``; while the choice keeps branches every step drafts trees."""
+    parents = np.array([[-1, -1, 0, 1]], np.int32)
+    nodes = DraftNodes(np.array([[5, 6, 7, 8]], np.int32), parents, np.array([4], np.int32),
+                       np.full((1, 4), 0.9, np.float32), np.full((1, 4), SOURCE_CONTEXT, np.int8),
+                       np.full((1, 4), 8, np.int32))
+
+    def steps(budget: GoodputBudget, count: int) -> list[bool]:
+        asked = []
+        for _ in range(count):
+            asked.append(budget.wants_trees())
+            if asked[-1]:
+                budget.choose(["a"], nodes, np.array([4]), 1, 0.0, trees=True, context_tokens=np.array([500]))
+        return asked
+
+    def budget(per_tree_step: float) -> GoodputBudget:
+        return GoodputBudget(cost=StepCostModel(prior=(0.02, 0.001, 0.0001, 0.0, 0.0, per_tree_step, 0.0, 0.0),
+                                                prior_steps=1e9))
+
+    dear = budget(0.5)
+    assert steps(dear, TREE_PATIENCE + 2 * TREE_RETRY_EVERY) == (
+        [True] * TREE_PATIENCE + ([False] * (TREE_RETRY_EVERY - 1) + [True]) * 2)
+    assert dear.stats.tree_steps == TREE_PATIENCE + 2 and dear.stats.branched_steps == 0
+    cheap = budget(0.0)
+    assert all(steps(cheap, 3 * TREE_PATIENCE))
+    assert cheap.stats.branched_steps == 3 * TREE_PATIENCE
 
 
 def test_branches_over_long_contexts_cost_more():

@@ -70,8 +70,12 @@ def test_steps_publish_draft_budget_and_acceptance_counts():
     assert value("budget_step_cost_seconds", labels, term="draft_token") == pytest.approx(1e-5, rel=0.01)
     session.stats.compacted_slots += 5  # what a tree step's compaction adds
     session.stats.mcss_requests += 3  # what a step of drawn candidates adds
+    session.budget.stats.tree_steps += 3  # what three tree-mode steps add, one of which kept a branch
+    session.budget.stats.branched_steps += 1
     step(session, proposer, [[]])  # a step without sampled tokens: nothing drafted
     assert value("compacted_kv_slots_total", labels) == 5 and value("mcss_requests_total", labels) == 3
+    assert value("budget_tree_choices_total", labels, choice="branched") == 1
+    assert value("budget_tree_choices_total", labels, choice="chain") == 2
     assert value("draft_tokens_total", labels, source="context") == 6 and value("drafting_seconds_count", labels) == 3
 
 

@@ -178,6 +178,27 @@ def rest_proposer(k: int, **options):
     return RestProposer(config)
 
 
+def test_tree_mode_drafts_chains_while_its_choice_keeps_no_branch():
+    """Where branches never pay (a tree step costs a second), tree mode soon drafts the chain it
+    kept anyway without building trees, and publishes no tree for the session to verify."""
+    from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel
+    from vllm_retrieval_spec.goodput.budget import TREE_PATIENCE
+
+    proposer = rest_proposer(8, tree=True, budget="auto", min_ratio=0.0)
+    cost = StepCostModel(prior=(0.05, 0.002, 1e-5, 0.0, 0.0, 1.0, 0.0, 0.0), prior_steps=1e6)
+    session = RecordingSession(["a"], GoodputBudget(cost=cost))
+    proposer.bind_session(session)
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2, 4, 1, 2]])
+    sampled = [2]
+    for _ in range(TREE_PATIENCE):
+        drafts = proposer.propose([sampled], num_tokens, token_ids)
+        assert proposer.last_drafts.tree_tokens is not None and drafts[0] and not session.trees
+        sampled = drafts[0] + [9]  # every node accepted
+    assert proposer.propose([sampled], num_tokens, token_ids) == drafts
+    assert proposer.last_drafts.tree_tokens is None and not session.trees
+    assert session.budget.stats.tree_steps == TREE_PATIENCE and session.budget.stats.branched_steps == 0
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_sampled_candidates_are_drawn_for_requests_that_sample_only(tree):
     """Greedy rows keep the deterministic candidates; rows that sample get candidates drawn from

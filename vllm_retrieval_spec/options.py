@@ -215,7 +215,7 @@ class RetrievalSpecOptions:
     tree: bool = _option(
         False, _bool,
         "REST, N-Grammys: draft trees of up to num_speculative_tokens nodes, verified as trees "
-        "in one target step (CPU build)",
+        "in one target step (CPU build); with budget auto, chains while the budget keeps no branch",
     )
     min_ratio: float = _option(
         0.1, _float_in(0.0, 1.0),

@@ -68,7 +68,9 @@ def choose_nodes(candidates: NodeCandidates, cost: StepCostModel, draft_seconds:
     num_reqs = candidates.num_reqs
     idle = cost.idle_seconds(num_reqs)
     best = _best_prefix(candidates, cost, idle, draft_seconds, margin)
-    if candidates.main_path is not None and (best.keep & ~candidates.main_path).any():
+    if candidates.main_path is not None and (candidates.path_chance[~candidates.main_path] > 0).any():
+        # Also when the best prefix kept no branch: it stops where the first branch in its order
+        # does not pay, before main-path nodes ranked after that branch.
         chain = _best_prefix(candidates.restricted_to_main_paths(), cost, idle, draft_seconds, margin)
         best = best if _rate(best) > _rate(chain) else chain
     if _rate(best) <= num_reqs / max(idle, 1e-9):

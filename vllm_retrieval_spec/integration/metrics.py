@@ -90,6 +90,9 @@ COUNTERS = (
     CounterSpec("budget_steps", "Goodput budget steps by decision: drafted, declined (nothing worth "
                 "verifying), skipped (no row worth searching) or probed (drafts dropped to measure the step "
                 "without them).", _budget(_decisions), "decision"),
+    CounterSpec("budget_tree_choices", "Tree mode: goodput budget steps that chose among draft trees, by whether "
+                "the choice kept a branch (branched) or main paths only (chain); the other steps drafted chains.",
+                _budget(lambda b: {"branched": b.branched_steps, "chain": b.tree_steps - b.branched_steps}), "choice"),
     CounterSpec("budget_skipped_searches", "Request-steps whose search the goodput budget skipped.",
                 _budget(lambda b: b.skipped_rows)),
     CounterSpec("budget_candidate_nodes", "Draft nodes offered to the goodput budget.",

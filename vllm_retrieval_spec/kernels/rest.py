@@ -67,6 +67,14 @@ class RestParams:
         """Tokens per continuation: ``cont_len``, or ``chain_len`` (at least 1) when it is 0."""
         return self.cont_len or max(self.chain_len, 1)
 
+    def for_trees(self, trees: bool) -> RestParams:
+        """These settings for a step that drafts trees, or chains only (no ``top_k`` tree to build)."""
+        return self if trees or not self.top_k else self._chains_only
+
+    @functools.cached_property
+    def _chains_only(self) -> RestParams:
+        return dataclasses.replace(self, top_k=0)
+
     @classmethod
     def from_options(cls, options: Any, chain_len: int, **overrides: Any) -> RestParams:
         """The REST settings of a ``RetrievalSpecOptions`` for chains of ``chain_len``; trees

@@ -105,6 +105,11 @@ class ChosenDrafts:
     sources: np.ndarray
     draft_q: dict[int, DraftQ] = field(default_factory=dict)
 
+    def branching(self) -> np.ndarray:
+        """``[rows]``: whether a row's nodes sent branch (are not the chain ``parents[j] = j - 1``)."""
+        columns = np.arange(self.parents.shape[1])
+        return ((self.parents != columns - 1) & (columns < self.sizes[:, None])).any(axis=1)
+
 
 @dataclass
 class ProposerStats:
@@ -229,6 +234,8 @@ class DraftProposer(abc.ABC):
             budget.observe(req_ids, sampled_token_ids)
             batch = batch.subset(budget.worth_searching(len(batch), len(sampled_token_ids),
                                                         self._row_samples(batch.rows)))
+            if batch.trees and self.options.candidates == "deterministic":  # sampled ones draw from trees
+                batch.trees = budget.wants_trees()
         self.stats.steps += 1
         self.stats.rows += len(batch)
         if len(batch) == 0:
@@ -278,9 +285,10 @@ class DraftProposer(abc.ABC):
         return ChosenDrafts(chosen.rows, tokens, parents, sizes, sources, draft_q)
 
     def _publish_trees(self, drafts: list[list[int]], chosen: ChosenDrafts) -> None:
-        """Hand this step's trees (tokens already cut to each row's size; in chain mode only
-        the rows drawn from ``q``) and their draft distributions to the session."""
-        publish = range(len(chosen.rows)) if self.options.tree else sorted(chosen.draft_q)
+        """Hand this step's trees that branch and the rows drawn from ``q`` (tokens already cut to
+        each row's size) with their draft distributions to the session; it verifies any other
+        row's drafts as the chain they are."""
+        publish = sorted(set(np.flatnonzero(chosen.branching()).tolist()) | chosen.draft_q.keys())
         rows, sizes = chosen.rows.tolist(), chosen.sizes.tolist()
         parents = chosen.parents.tolist()
         self.session.publish(

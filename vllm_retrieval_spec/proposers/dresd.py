@@ -29,7 +29,7 @@ class DReSDProposer(UsesDenseSource, DraftProposer):
 
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         found = self.dense.continuations(batch, self.session)
-        drafts = rest_retrieve(None, batch.token_ids, batch.num_tokens, batch.rows, self.params,
+        drafts = rest_retrieve(None, batch.token_ids, batch.num_tokens, batch.rows, self.params.for_trees(batch.trees),
                                dense=found.store, learned=found.learned, num_threads=self.options.num_threads)
         self.last_drafts = DenseDrafts.of(drafts, found)
         return self.last_drafts

@@ -56,7 +56,7 @@ class RestProposer(DraftProposer):
         output_index = self.session.output_index if self.session is not None else None
         return rest_retrieve(
             None if self.datastore is None else self.datastore.current(), batch.token_ids, batch.num_tokens,
-            batch.rows, self.params,
+            batch.rows, self.params.for_trees(batch.trees),
             output_index=None if output_index is None else output_index.native,
             dense=dense,
             learned=learned,

@@ -128,6 +128,7 @@ class SpecSession:
     _kv_groups: dict[int, ops.TreeKVGroup] = field(default_factory=dict, init=False, repr=False)  # by metadata
     _kv_layout: KVLayout | None = field(default=None, init=False, repr=False)
     _accepted_paths: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    _trees_published_step: int = field(default=-1, init=False, repr=False)  # the last step publish() got trees
     step_hidden_states: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ drafting side
@@ -213,9 +214,11 @@ class SpecSession:
         return starts[:, None] + offsets, sampled
 
     def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
-        """This step's trees by input-batch row (tree mode, or rows whose candidates were drawn
-        from ``draft_q``); older ones are never verified."""
+        """This step's trees that branch and chains drawn from ``draft_q``, by input-batch row
+        (other rows' drafts are verified as the chains they are); older ones are never verified."""
         draft_q = draft_q or {}
+        if trees:
+            self._trees_published_step = self.step
         for row, tree in trees.items():
             state = self.requests.setdefault(self.step_req_ids[row], RequestState())
             state.tree, state.draft_q, state.tree_step = tree, draft_q.get(row), self.step
@@ -283,8 +286,8 @@ class SpecSession:
             return
         num_reqs = batch.num_reqs
         samples = batch.temperature_cpu[:num_reqs] > 0
-        if not (self.tree_mode or samples.any()):
-            return  # chains of greedy requests: vLLM's sampler verifies them exactly
+        if not (self._trees_published_step == self.step or samples.any()):
+            return  # chains of greedy requests (no tree of this step branches): vLLM's sampler verifies them exactly
         req_ids = batch.req_ids[:num_reqs]
         scheduled = [spec_tokens.get(req_id, ()) for req_id in req_ids]
         drafted = [self.tree_for(req_id, without_placeholders(tokens)) for req_id, tokens in zip(req_ids, scheduled)]
