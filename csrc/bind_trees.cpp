@@ -334,10 +334,32 @@ void check_attention_nodes(const vrs::TreeAttentionArgs& a) {
                               "of range");
 }
 
-int tree_attention_cpu(const TreeAttentionInputs<Cpu>& inputs, int num_threads) {
+// A step's keys and values to store before attending (write_kv_cpu), shapes checked.
+struct NewKV {
+  std::optional<Floats<Cpu, 2>> keys, values;
+  std::optional<RowVector<Cpu>> slots;
+
+  std::optional<vrs::KVWriteArgs> args(const vrs::TreeAttentionArgs& a) const {
+    if (!keys && !values && !slots) return std::nullopt;
+    if (!keys || !values || !slots)
+      throw std::invalid_argument("new_keys, new_values and new_slots come together");
+    const size_t tokens = slots->shape(0), width = static_cast<size_t>(a.kv_heads) * a.head_size;
+    for (const Floats<Cpu, 2>* rows : {&*keys, &*values})
+      if (rows->shape(0) < tokens || rows->shape(1) != width || rows->stride(1) != 1 ||
+          attention_dtype(rows->dtype()) != a.dtype)
+        throw std::invalid_argument("new_keys and new_values must be [tokens >= slots, kv_heads * "
+                                    "head_size] with contiguous rows, in the cache's dtype");
+    return vrs::KVWriteArgs{keys->data(), values->data(), slots->data(),
+                            static_cast<int64_t>(tokens), keys->stride(0), values->stride(0)};
+  }
+};
+
+int tree_attention_cpu(const TreeAttentionInputs<Cpu>& inputs, const NewKV& new_kv, int num_threads) {
   const vrs::TreeAttentionArgs args = inputs.args();
   check_attention_nodes(args);
+  const std::optional<vrs::KVWriteArgs> write = new_kv.args(args);
   nb::gil_scoped_release release;
+  if (write) vrs::write_kv_cpu(args, *write);
   vrs::tree_attention_cpu(args, num_threads);
   return static_cast<int>(args.num_nodes);
 }
@@ -433,19 +455,25 @@ void bind_trees(nb::module_& m) {
          ConstVector<Cpu> node_request, ConstVector<Cpu> node_context,
          ConstVector<Cpu> node_index, ConstMaskMatrix<Cpu> ancestors, int heads, int layout,
          float scale, int num_threads, int window, float softcap,
-         std::optional<FloatVector<Cpu>> sinks) {
+         std::optional<FloatVector<Cpu>> sinks, std::optional<Floats<Cpu, 2>> new_keys,
+         std::optional<Floats<Cpu, 2>> new_values, std::optional<RowVector<Cpu>> new_slots) {
         return tree_attention_cpu({query, kv_cache, out, node_row, block_table, node_request,
                                    node_context, node_index, ancestors, heads, layout, scale,
                                    window, softcap, sinks},
-                                  num_threads);
+                                  {new_keys, new_values, new_slots}, num_threads);
       },
       nb::arg("query"), nb::arg("kv_cache"), nb::arg("out"), nb::arg("node_row"),
       nb::arg("block_table"), nb::arg("node_request"), nb::arg("node_context"),
       nb::arg("node_index"), nb::arg("ancestors"), nb::arg("heads"), nb::arg("layout"),
       nb::arg("scale"), nb::arg("num_threads") = 0, nb::arg("window") = 0,
       nb::arg("softcap") = 0.0f, nb::arg("sinks").none() = nb::none(),
+      nb::arg("new_keys").none() = nb::none(), nb::arg("new_values").none() = nb::none(),
+      nb::arg("new_slots").none() = nb::none(),
       "Tree attention of draft nodes over their paged context and ancestors (CPU threads, GIL "
-      "released); overwrites rows node_row of out [tokens, heads * head_size].");
+      "released); overwrites rows node_row of out [tokens, heads * head_size]. With new_keys, "
+      "new_values [tokens, kv_heads * head_size] and new_slots [tokens] int64 (CPU_VEC layout), "
+      "first stores each token's key and value at its cache slot (< 0: none), as vLLM's "
+      "cpu_attn_reshape_and_cache does.");
 #ifdef VRS_WITH_CUDA
   m.def(
       "tree_attention",

@@ -545,7 +545,40 @@ void check_positions(const TreeAttentionArgs& a, const std::vector<Tile>& tiles)
   }
 }
 
+template <typename T>
+void write_kv(const TreeAttentionArgs& a, const KVWriteArgs& w) {
+  const int hs = a.head_size, bs = a.block_size;
+  const T* keys = static_cast<const T*>(w.keys);
+  const T* values = static_cast<const T*>(w.values);
+  T* cache = static_cast<T*>(const_cast<void*>(a.cache));
+  for (int64_t t = 0; t < w.tokens; ++t) {
+    if (w.slots[t] < 0) continue;
+    const int64_t block = w.slots[t] / bs, offset = w.slots[t] % bs;
+    for (int h = 0; h < a.kv_heads; ++h) {
+      T* base = cache + (block * a.kv_heads + h) * bs * 2 * hs;
+      const T* key = keys + t * w.key_stride + h * hs;
+      const T* value = values + t * w.value_stride + h * hs;
+      for (int d = 0; d < hs; ++d) base[d * bs + offset] = key[d];  // keys transposed
+      std::memcpy(base + static_cast<int64_t>(hs) * bs + offset * hs, value, sizeof(T) * hs);
+    }
+  }
+}
+
 }  // namespace
+
+void write_kv_cpu(const TreeAttentionArgs& a, const KVWriteArgs& w) {
+  if (a.layout != KVLayoutCode::kCpuVec)
+    throw std::invalid_argument(
+        "tree attention stores keys and values in the CPU_VEC layout only");
+  for (int64_t t = 0; t < w.tokens; ++t)
+    if (w.slots[t] >= a.num_blocks * a.block_size)
+      throw std::out_of_range("tree attention: slot " + std::to_string(w.slots[t]) +
+                              " is past the cache's " +
+                              std::to_string(a.num_blocks * a.block_size) + " slots");
+  if (a.dtype == AttentionDtype::kFloat32) write_kv<float>(a, w);
+  else if (a.dtype == AttentionDtype::kBFloat16) write_kv<BFloat16>(a, w);
+  else throw std::invalid_argument("tree attention on the CPU takes float32 or bfloat16");
+}
 
 void tree_attention_cpu(const TreeAttentionArgs& a, int max_threads) {
   if (a.dtype == AttentionDtype::kFloat16)

@@ -62,6 +62,21 @@ struct TreeAttentionArgs {
   float softcap;  // logit soft-cap, 0: none
 };
 
+// A step's new keys and values, stored into the cache before its attention reads it.
+struct KVWriteArgs {
+  const void* keys;      // [tokens, kv_heads * head_size], rows key_stride apart, the cache's dtype
+  const void* values;    // [tokens, kv_heads * head_size], rows value_stride apart
+  const int64_t* slots;  // [tokens] cache slot (block * block_size + offset), < 0: not stored
+  int64_t tokens;
+  int64_t key_stride;
+  int64_t value_stride;
+};
+
+// Stores token t's key and value at cache slot slots[t] in the kCpuVec layout, as vLLM's
+// cpu_attn_reshape_and_cache does; throws std::out_of_range, before storing anything, on a slot
+// past the cache.
+void write_kv_cpu(const TreeAttentionArgs& args, const KVWriteArgs& write);
+
 // Torch's OpenMP team (or the pool) over (tile of a request's nodes, kv head); throws
 // std::out_of_range on a block id or position outside the cache or the block table.
 void tree_attention_cpu(const TreeAttentionArgs& args, int max_threads);

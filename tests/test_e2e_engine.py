@@ -150,6 +150,8 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
             assert ("SkinnyLinear" in linear_kinds(llm)) == (tree and pays_on_this_cpu())
             kernel = drafter_of(llm).session.step_attention
             assert (kernel is not None and kernel.enabled and kernel.layer_calls > 0) == step_attention
+            if step_attention and not tree:  # chain steps: the whole eager layer in one kernel call
+                assert kernel.whole_layer_calls > 0
             assert norm_kinds(llm) == ({"FusedRMSNorm"} if step_attention else {"method"})
         assert [r.output_ids for r in run.records] == [r.output_ids for r in expected.records[:6]], f"tree={tree}"
     first, chain, last = sessions

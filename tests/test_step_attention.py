@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from vllm_retrieval_spec.compat import configure_vllm_environment
-from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, NewKV, TreeNodes, kv_views, tree_attention
+from vllm_retrieval_spec.kernels.attention_reference import write_kv_reference
 from vllm_retrieval_spec.verification.step_attention import MAX_QUERY_TOKENS, StepAttention, chain_nodes
 from vllm_retrieval_spec.verification.tree_attention import TreeLayer, apply_tree_attention
 
@@ -234,3 +235,108 @@ def test_a_step_the_kernel_refuses_goes_to_vllm_and_turns_it_off(caplog):
                                   lambda: "vllm") == "vllm"
     assert not step_attention.enabled and output.isnan().all()
     assert "past the block table" in caplog.text
+
+
+def without_step_tokens(cache: torch.Tensor, metadata) -> torch.Tensor:
+    """A copy of ``cache`` whose step tokens' keys and values are zero (as before the step)."""
+    cleared = cache.clone()
+    keys, values = kv_views(cleared, HEAD_SIZE, KVLayout.CPU_VEC)
+    slots = metadata.slot_mapping.long()
+    keys[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE] = 0.0
+    values[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE] = 0.0
+    return cleared
+
+
+def fused_rows(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys`` and ``values`` ``[tokens, kv_heads * head_size]`` as strided views of one fused
+    tensor, as vLLM's layers hand them over."""
+    fused = torch.cat([keys.flatten(1), values.flatten(1)], dim=1)
+    return fused[:, : KV_HEADS * HEAD_SIZE], fused[:, KV_HEADS * HEAD_SIZE:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_kernel_stores_a_steps_keys_and_values_as_vllms_reshape_and_cache(seed):
+    rng = np.random.default_rng(seed)
+    cache, metadata, query, keys, values, _ = causal_step(rng, [int(q) for q in rng.integers(1, 9, 3)], [5, 40, 77])
+    step = StepAttention().nodes_for(metadata)
+    slots = metadata.slot_mapping.long().clone()
+    slots[0] = -1  # a padding slot: not stored
+    expected = without_step_tokens(cache, metadata)
+    write_kv_reference(expected, NewKV(*fused_rows(keys, values), slots), HEAD_SIZE, KVLayout.CPU_VEC)
+    stored = without_step_tokens(cache, metadata)
+    output = torch.zeros(query.shape[0], HEADS * HEAD_SIZE)
+    tree_attention(query.flatten(1), stored, output, step.nodes, KVLayout.CPU_VEC, layer().attention,
+                   new_kv=NewKV(*fused_rows(keys, values), slots))
+    assert torch.equal(stored, expected)
+    slots[0] = metadata.slot_mapping[0]
+    write_kv_reference(expected, NewKV(*fused_rows(keys, values), slots), HEAD_SIZE, KVLayout.CPU_VEC)
+    assert torch.equal(expected, cache), "the reference stores what vLLM's reshape-and-cache stored"
+
+
+def test_a_slot_past_the_cache_stores_nothing():
+    cache, metadata, query, keys, values, _ = causal_step(np.random.default_rng(5), [3, 2], [10, 20])
+    step = StepAttention().nodes_for(metadata)
+    before = without_step_tokens(cache, metadata)
+    stored = before.clone()
+    slots = metadata.slot_mapping.long().clone()
+    slots[-1] = cache.shape[0] * BLOCK_SIZE
+    with pytest.raises(IndexError, match="past the cache"):
+        tree_attention(query.flatten(1), stored, torch.zeros(query.shape[0], HEADS * HEAD_SIZE), step.nodes,
+                       KVLayout.CPU_VEC, layer().attention, new_kv=NewKV(*fused_rows(keys, values), slots))
+    assert torch.equal(stored, before)
+    with pytest.raises(ValueError, match="new_keys and new_values"):
+        tree_attention(query.flatten(1), stored, torch.zeros(query.shape[0], HEADS * HEAD_SIZE), step.nodes,
+                       KVLayout.CPU_VEC, layer().attention, new_kv=NewKV(keys.flatten(1)[:, 1:], values.flatten(1),
+                                                                        metadata.slot_mapping.long()))
+
+
+class WholeLayer:
+    """An ``Attention`` layer's forward through :meth:`StepAttention.layer_forward` on a step
+    whose forward context holds ``metadata`` and whose cache does not yet hold the step's keys."""
+
+    def __init__(self, monkeypatch, step_attention: StepAttention, step) -> None:
+        cache, metadata, query, keys, values, vllm_attention = step
+        self.step_attention, self.metadata, self.expected_cache = step_attention, metadata, cache
+        self.layer = SimpleNamespace(layer_name="layers.0.attn", kv_cache=without_step_tokens(cache, metadata))
+        self.query, (self.keys, self.values) = query.flatten(1), fused_rows(keys, values)
+        self.vllm_output = vllm_attention(torch.empty_like(query)).flatten(1)
+        context = SimpleNamespace(attn_metadata={"layers.0.attn": metadata},
+                                  slot_mapping={"layers.0.attn": metadata.slot_mapping.long()})
+        monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: context)
+        self.vllm_calls = 0
+
+    def forward(self) -> torch.Tensor | str:
+        def vllm_forward() -> str:
+            self.vllm_calls += 1
+            return "vllm"
+
+        return self.step_attention.layer_forward(self.layer, layer(), self.query, self.keys, self.values,
+                                                 vllm_forward)
+
+
+def checked_step_attention(seed: int) -> StepAttention:
+    """A :class:`StepAttention` past its first step's layout check."""
+    step_attention = StepAttention()
+    run_step(step_attention, causal_step(np.random.default_rng(seed), [2], [30]))
+    return step_attention
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_whole_layer_stores_its_keys_and_attends_in_one_call(monkeypatch, seed):
+    rng = np.random.default_rng(seed)
+    step = causal_step(rng, [int(q) for q in rng.integers(1, 12, 4)], [int(c) for c in rng.integers(0, 200, 4)])
+    whole = WholeLayer(monkeypatch, checked_step_attention(seed), step)
+    output = whole.forward()
+    assert whole.vllm_calls == 0 and whole.step_attention.whole_layer_calls == 1
+    assert torch.equal(whole.layer.kv_cache, whole.expected_cache)
+    torch.testing.assert_close(output, whole.vllm_output, rtol=1e-5, atol=1e-5)
+
+
+def test_a_whole_layer_leaves_to_vllm_what_the_kernel_does_not_compute_alone(monkeypatch):
+    prefill = causal_step(np.random.default_rng(1), [3, MAX_QUERY_TOKENS + 2], [40, 0])
+    assert WholeLayer(monkeypatch, checked_step_attention(1), prefill).forward() == "vllm"
+    unchecked = WholeLayer(monkeypatch, StepAttention(), causal_step(np.random.default_rng(2), [3], [40]))
+    assert unchecked.forward() == "vllm", "the first step checks the layout through vLLM's own cache update"
+    tree = StepAttention(tree_rows=lambda metadata: fix_up_nodes(metadata, 0, [1, 2], [-1, 0]))
+    run_step(tree, causal_step(np.random.default_rng(3), [3], [30]))
+    assert WholeLayer(monkeypatch, tree, causal_step(np.random.default_rng(4), [3], [40])).forward() == "vllm"

@@ -117,6 +117,14 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     VllmSymbol("vllm.config", "get_layers_from_vllm_config", params=("vllm_config", "layer_type")),
     VllmSymbol("vllm.config", "CUDAGraphMode", CLASS),
     VllmSymbol("vllm.model_executor.layers.attention.attention", "Attention", CLASS),
+    # the step attention's whole eager layer: Attention.forward per instance, the forward context
+    VllmSymbol("vllm.model_executor.layers.attention.attention", "Attention.forward",
+               params=("query", "key", "value", "output_shape", "output_dtype"), platform="cpu"),
+    *_many("vllm.model_executor.layers.attention.attention", "Attention", INSTANCE,
+           "layer_name kv_cache query_quant kv_sharing_target_layer_name attn_backend head_size head_size_v", "cpu"),
+    VllmSymbol("vllm.forward_context", "get_forward_context", platform="cpu"),
+    *_many("vllm.forward_context", "ForwardContext", FIELD, "attn_metadata slot_mapping", "cpu"),
+    VllmSymbol("vllm.config", "CompilationMode", CLASS, platform="cpu"),
     VllmSymbol("vllm.model_executor.layers.mamba.abstract", "MambaBase", CLASS),
     # metrics, admission and the platform
     VllmSymbol("vllm.distributed", "get_tensor_model_parallel_rank"),

@@ -552,18 +552,48 @@ def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> Non
         logger.info("retrieval_spec.cpu_step_attention: the model runs in %s, not float32; vLLM's attention "
                     "computes every step", runner.model_config.dtype)
         return
+    from vllm.config import CompilationMode
+
     step_attention = session.step_attention = StepAttention(session.tree_rows)
+    eager = runner.compilation_config.mode == CompilationMode.NONE
 
     def hook_layers() -> None:
-        layers = 0
-        for impl in _attention_impls(runner):
-            if step_attention_serves(impl):
-                _hook(impl, "forward", _step_forward(step_attention, TreeLayer.of(impl, KVLayout.CPU_VEC)))
-                layers += 1
+        served = [layer for layer in _attention_layers(runner) if step_attention_serves(layer.impl)]
+        whole = [layer for layer in served if eager and runs_whole_layer(layer)]
+        for layer in served:
+            tree_layer = TreeLayer.of(layer.impl, KVLayout.CPU_VEC)
+            _hook(layer.impl, "forward", _step_forward(step_attention, tree_layer))
+            if layer in whole:
+                _hook(layer, "forward", _whole_layer_forward(step_attention, layer, tree_layer))
         logger.info("retrieval_spec.cpu_step_attention: %d attention layers run the plugin's kernel on "
-                    "verification steps", layers)
+                    "verification steps, %d of them with their cache update in the same call%s", len(served),
+                    len(whole), "" if eager else " (the model is compiled: vLLM's layer calls both)")
 
     _after_model_loads(runner, hook_layers)
+
+
+def runs_whole_layer(layer: object) -> bool:
+    """Whether the step attention can replace an eager ``Attention`` layer's forward (cache
+    update and backend call): it stores its own keys and values, unquantized and unshared."""
+    require_instance_attributes(vllm_version(), {"Attention": layer})
+    return (layer.query_quant is None and layer.kv_sharing_target_layer_name is None
+            and not layer.attn_backend.forward_includes_kv_cache_update and layer.head_size_v == layer.head_size)
+
+
+def _whole_layer_forward(step_attention: StepAttention, layer: object,
+                         tree_layer: TreeLayer) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def forward(query, key, value, output_shape=None, output_dtype=None):
+            def vllm_forward():
+                return original(query, key, value, output_shape, output_dtype)
+
+            if output_shape is not None or output_dtype not in (None, query.dtype):
+                return vllm_forward()
+            return step_attention.layer_forward(layer, tree_layer, query, key, value, vllm_forward)
+
+        return forward
+
+    return make
 
 
 def _step_forward(step_attention: StepAttention, tree_layer: TreeLayer) -> Callable[[Callable], Callable]:
@@ -580,11 +610,15 @@ def _step_forward(step_attention: StepAttention, tree_layer: TreeLayer) -> Calla
     return make
 
 
-def _attention_impls(runner: GPUModelRunner) -> list[object]:
+def _attention_layers(runner: GPUModelRunner) -> list[object]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    return [attention.impl for attention in get_layers_from_vllm_config(runner.vllm_config, Attention).values()]
+    return list(get_layers_from_vllm_config(runner.vllm_config, Attention).values())
+
+
+def _attention_impls(runner: GPUModelRunner) -> list[object]:
+    return [layer.impl for layer in _attention_layers(runner)]
 
 
 def _install_tree_attention(runner: GPUModelRunner, session: SpecSession) -> None:

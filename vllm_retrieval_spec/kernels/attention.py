@@ -70,6 +70,18 @@ class TreeNodes:
 
 
 @dataclass(frozen=True)
+class NewKV:
+    """A step's keys and values that tree attention stores into the cache before it attends (CPU,
+    :attr:`KVLayout.CPU_VEC`, as vLLM's ``cpu_attn_reshape_and_cache``): ``keys`` and ``values``
+    ``[tokens, kv_heads * head_size]`` in the cache's dtype (rows may be strided), ``slots``
+    ``[tokens]`` int64 (``block * block_size + offset``; < 0: not stored)."""
+
+    keys: Any
+    values: Any
+    slots: Any
+
+
+@dataclass(frozen=True)
 class LayerAttention:
     """One attention layer as tree attention computes it: query heads, score scale and what the
     layer adds to the causal mask (``window`` and ``softcap`` 0: none; ``sinks`` ``[heads]``
@@ -91,9 +103,10 @@ def host_view(array: Any) -> Any:
 
 
 def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout: KVLayout,
-                   attention: LayerAttention, *, num_threads: int = 0) -> None:
+                   attention: LayerAttention, *, num_threads: int = 0, new_kv: NewKV | None = None) -> None:
     """Overwrite rows ``nodes.rows`` of ``out`` with the attention of those rows' queries over
-    their paged context and ancestors (module docstring).
+    their paged context and ancestors (module docstring), after storing ``new_kv`` in the cache
+    (CPU only).
 
     ``query`` and ``out`` ``[tokens, heads * head_size]`` (rows may be strided), ``kv_cache``
     ``[blocks, kv_heads, block_size, 2 * head_size]``, all on one device, the node arrays
@@ -109,7 +122,12 @@ def tree_attention(query: Any, kv_cache: Any, out: Any, nodes: TreeNodes, layout
     args += (attention.heads, layout.code, attention.scale)
     options = {"window": attention.window, "softcap": attention.softcap, "sinks": sinks}
     if on_cuda:
+        if new_kv is not None:
+            raise ValueError("tree attention stores new keys and values on the CPU only")
         stream = cuda_torch().cuda.current_stream(kv_cache.device).cuda_stream
         load_extension().tree_attention(*args, stream, **options)
     else:
+        if new_kv is not None:
+            options.update(new_keys=host_view(new_kv.keys), new_values=host_view(new_kv.values),
+                           new_slots=host_view(new_kv.slots))
         load_extension().tree_attention(*args, num_threads, **options)

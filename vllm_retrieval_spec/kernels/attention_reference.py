@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes, kv_views
+from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, NewKV, TreeNodes, kv_views
 
 
 def node_positions(context: int, index: int, ancestor_row: torch.Tensor, window: int = 0) -> list[int]:
@@ -54,3 +54,16 @@ def tree_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, nodes:
         weights = softmax_with_sinks(scores, attention.sinks)
         out[m] = torch.einsum("hn,nhd->hd", weights, v[:, kv_head]).to(out.dtype)
     return out
+
+
+def write_kv_reference(kv_cache: torch.Tensor, new_kv: NewKV, head_size: int, layout: KVLayout) -> None:
+    """Store ``new_kv``'s keys and values at their slots of ``kv_cache`` (slots < 0 skipped),
+    through :func:`~vllm_retrieval_spec.kernels.attention.kv_views`."""
+    keys, values = kv_views(kv_cache, head_size, layout)
+    block_size = kv_cache.shape[2]
+    slots = torch.as_tensor(new_kv.slots)
+    stored = torch.nonzero(slots >= 0).flatten()
+    blocks, offsets = slots[stored] // block_size, slots[stored] % block_size
+    kv_heads = kv_cache.shape[1]
+    keys[blocks, :, offsets] = torch.as_tensor(new_kv.keys)[stored].reshape(-1, kv_heads, head_size)
+    values[blocks, :, offsets] = torch.as_tensor(new_kv.values)[stored].reshape(-1, kv_heads, head_size)

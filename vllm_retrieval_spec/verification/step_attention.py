@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from vllm_retrieval_spec.kernels.attention import KVLayout, TreeNodes
+from vllm_retrieval_spec.kernels.attention import KVLayout, NewKV, TreeNodes, tree_attention
 from vllm_retrieval_spec.verification.tree_attention import (
     TreeAttentionError,
     TreeLayer,
@@ -58,6 +58,7 @@ class StepNodes:
     nodes: TreeNodes
     whole_step: bool
     tree_rows: bool = False
+    alone: bool = False  # every row of the step, and no tree fix-up after it
 
 
 def chain_nodes(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepNodes | None:
@@ -132,6 +133,7 @@ class StepAttention:
         self.enabled = True
         self.layer_calls = 0  # layers it computed, over every step
         self.tree_layer_calls = 0  # of which with the rows of branching trees
+        self.whole_layer_calls = 0  # of which with the layer's cache update (layer_forward)
         self._layout_checked = False
 
     def nodes_for(self, metadata: object) -> StepNodes | None:
@@ -153,8 +155,10 @@ class StepAttention:
         batch = metadata.seq_lens.shape[0]
         step = chain_nodes(metadata.query_start_loc[: batch + 1].numpy(), metadata.seq_lens.numpy(),
                            metadata.block_table[:batch].numpy())
-        if step is None or (tree := self._tree_rows(metadata)) is None:
-            return step
+        if step is None:
+            return None
+        if (tree := self._tree_rows(metadata)) is None:
+            return replace(step, alone=step.whole_step)
         merged = with_tree_rows(step.nodes, tree)
         if merged is None:  # a tree beyond MAX_QUERY_TOKENS: the fix-up computes its rows after vLLM's kernel
             return StepNodes(without_rows(step.nodes, tree.rows.numpy()), step.whole_step)
@@ -185,6 +189,35 @@ class StepAttention:
         self.layer_calls += 1
         self.tree_layer_calls += nodes.tree_rows
         self._computed_tree_rows = nodes.tree_rows
+        return output
+
+    def layer_forward(self, layer: object, tree_layer: TreeLayer, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, vllm_forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """An ``Attention`` layer's whole forward in one kernel call on steps the kernel computes
+        alone: it stores the step's keys and values in the cache and attends, where vLLM's layer
+        calls its cache update and its backend through two custom ops (~100 µs a layer on the
+        2-core VM); ``vllm_forward`` (the layer's own) on any other step."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        metadata, slots = context.attn_metadata, context.slot_mapping
+        if not (self.enabled and self._layout_checked and isinstance(metadata, dict) and isinstance(slots, dict)):
+            return vllm_forward()
+        metadata, slots = metadata.get(layer.layer_name), slots.get(layer.layer_name)
+        step = self.nodes_for(metadata) if metadata is not None and slots is not None else None
+        tokens = query.shape[0]
+        if (step is None or not step.alone or query.dim() != 2 or key.dim() != 2 or value.dim() != 2
+                or tokens != metadata.num_actual_tokens or slots.shape[0] > tokens):
+            return vllm_forward()
+        output = torch.empty(tokens, query.shape[1], dtype=query.dtype)
+        try:
+            tree_attention(query, layer.kv_cache, output, step.nodes, tree_layer.layout, tree_layer.attention,
+                           new_kv=NewKV(key, value, slots))
+        except (IndexError, ValueError, TypeError) as error:  # refused before attending
+            self._turn_off(error)
+            return vllm_forward()
+        self.layer_calls += 1
+        self.whole_layer_calls += 1
         return output
 
     def _turn_off(self, error: Exception) -> None:
