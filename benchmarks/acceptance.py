@@ -217,8 +217,14 @@ CONFIGS: dict[str, dict] = {
     **{f"dresd_alone_answers{n}_k8": _ours("DReSDProposer", 8, use_context=False,
                                             dense_datastore=str(answers_store(n, dense=True)))
        for n in ANSWER_STORE_PROMPTS},
-    # Hybrid with the largest captured store as its dense source (REST's default datastore and sources).
+    # Hybrid with a captured store as its dense source (REST's default datastore and sources): the
+    # 2,062 prompts' (hybrid_answers_k32), or the first N's.
     "hybrid_answers_k32": _ours("HybridProposer", 32, dense_datastore=str(answers_store(2062, dense=True))),
+    **{f"hybrid_answers{n}_k32": _ours("HybridProposer", 32, dense_datastore=str(answers_store(n, dense=True)))
+       for n in ANSWER_STORE_PROMPTS},
+    # ... with 8 neighbours of 16 probed lists: a cheaper search, fewer dense continuations in the trie.
+    "hybrid_answers1280_k32_lean": _ours("HybridProposer", 32, dense_datastore=str(answers_store(1280, dense=True)),
+                                         dense_neighbours=8, dense_nprobe=16),
     "ngram_k4": ngram_config(4),
     "ngram_k8": ngram_config(8),
     "suffix": {"speculative_config": {"method": "suffix"}, "requires": "arctic_inference"},
