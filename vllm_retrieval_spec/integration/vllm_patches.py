@@ -559,15 +559,16 @@ def _install_step_attention(runner: GPUModelRunner, session: SpecSession) -> Non
 
     def hook_layers() -> None:
         served = [layer for layer in _attention_layers(runner) if step_attention_serves(layer.impl)]
-        whole = [layer for layer in served if eager and runs_whole_layer(layer)]
+        whole = 0
         for layer in served:
             tree_layer = TreeLayer.of(layer.impl, KVLayout.CPU_VEC)
             _hook(layer.impl, "forward", _step_forward(step_attention, tree_layer))
-            if layer in whole:
+            if eager and runs_whole_layer(layer):
                 _hook(layer, "forward", _whole_layer_forward(step_attention, layer, tree_layer))
+                whole += 1
         logger.info("retrieval_spec.cpu_step_attention: %d attention layers run the plugin's kernel on "
                     "verification steps, %d of them with their cache update in the same call%s", len(served),
-                    len(whole), "" if eager else " (the model is compiled: vLLM's layer calls both)")
+                    whole, "" if eager else " (the model is compiled: vLLM's layer calls both)")
 
     _after_model_loads(runner, hook_layers)
 
