@@ -175,6 +175,9 @@ CONFIGS: dict[str, dict] = {
     **{f"ngrammys_tree_k{k}": _ours("NGrammysProposer", k, tree=True) for k in (8, 16, 32, 64)},
     # Chains at the tree node budgets (tokens/s of tree vs chain at the same budget).
     **{f"rest_k{k}": _ours("RestProposer", k) for k in (16, 32, 64)},
+    # rest_k32 again under another name (--interleave builds one engine per name): the spread between two
+    # engines of one run that draft the same, against which a ratio between two configs is read.
+    "rest_k32_twin": _ours("RestProposer", 32),
     # Deep drafts (continuations as long as K by default) always drafted up to K.
     **{f"rest_k{k}_fixed": _ours("RestProposer", k, budget="fixed") for k in (2, 3, 4, 16, 32, 64)},
     **{f"rest_tree_k{k}_fixed": _ours("RestProposer", k, tree=True, budget="fixed") for k in (32, 64)},
@@ -407,11 +410,13 @@ def budget_report(llm, concurrency: int) -> dict | None:
     budget = getattr(getattr(drafter, "session", None), "budget", None)
     if budget is None:
         return None
+    gate = getattr(drafter, "gate", None)  # Hybrid's search gate
     return {
         "stats": vars(budget.stats),
         "cost_coefficients_seconds": budget.cost.coefficients.tolist(),
         "cost_curve": budget.cost.curve(concurrency),
         "calibration": budget.calibration.report(),
+        **({} if gate is None else {"search_gate": gate.report()}),
     }
 
 

@@ -1,6 +1,7 @@
 """``benchmarks/budget_replay.py`` drives REST's real drafting loop (kernel, goodput budget,
 output and live indexes) through token streams to their end, with the calibration's prior
-strength it is given, and ``suffix`` the same way where Arctic Inference is installed."""
+strength it is given, and ``suffix`` the same way where Arctic Inference is installed;
+``benchmarks/copy_ceiling.py`` counts on the same streams what copying from the request could draft."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def test_rest_replay_decodes_every_stream_with_the_given_prior_strength(replay, 
 def test_suffix_replay_decodes_every_stream(replay, traces):
     pytest.importorskip("arctic_inference", reason="vLLM's suffix method: scripts/install-comparators.sh")
     assert_whole_streams(replay.lock_step(traces, 2, COST, replay.SuffixDrafter()), traces)
+
+
+def test_copy_ceiling_counts_continuations_of_earlier_occurrences_in_the_request():
+    """``benchmarks/copy_ceiling.py``: prompt 1 2 3, output 1 2 4 1 2 3. After 1 the request
+    had 2 before (twice a hit); after 2 it had 3, then 3 and 4 (the last 3 hits any occurrence,
+    not the latest, which was 4); after 1 2 only the last 3 continues an earlier occurrence."""
+    shares = load_benchmark("copy_ceiling").copy_shares([1, 2, 3, 1, 2, 4, 1, 2, 3], first_output=3)
+    assert shares["any_k1"] == pytest.approx(3 / 6) and shares["latest_k1"] == pytest.approx(2 / 6)
+    assert shares["any_k2"] == pytest.approx(1 / 6) and shares["latest_k2"] == 0
+    assert shares["any_k4"] == 0

@@ -114,9 +114,18 @@ def test_hybrid_is_lossless_and_drafts_from_dense_and_exact_sources(tree, model_
     options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "dense_learned_positions": 4096}
     drafter = lossless_drafter(model_dir, "HybridProposer", options, tree, e2e_prompts, baseline_runs)
     assert drafter.stats.rows > 0
-    assert drafter.gate.searches > 0  # the store and the learned index were searched (the gate's credit)
+    assert drafter.gate.judged > 0  # steps drafted with and without the dense search, judged on what followed
     learned = drafter.session.learned_dense
     assert learned.num_positions > 0  # the first run's requests taught it (vLLM reports the last ones a step later)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_hybrid_without_a_budget_sends_dense_nodes_losslessly(tree, model_dir, dense_store, code_store, e2e_prompts,
+                                                               baseline_runs):
+    """With ``budget: fixed`` there is no gate: every step searches and dense nodes are verified."""
+    options = {"dense_datastore": str(dense_store), "datastore": str(code_store), "budget": "fixed"}
+    drafter = lossless_drafter(model_dir, "HybridProposer", options, tree, e2e_prompts, baseline_runs)
+    assert sum(count for source, count in drafter.stats.draft_tokens_by_source.items() if "dense" in source) > 0
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

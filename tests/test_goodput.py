@@ -3,12 +3,13 @@ cost model, acceptance read back from sampled tokens, per-request state lifecycl
 
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_LEARNED, DraftNodes
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, DraftNodes
 from vllm_retrieval_spec.goodput import (
     AcceptanceCalibration,
     GoodputBudget,
@@ -19,7 +20,7 @@ from vllm_retrieval_spec.goodput import (
 from vllm_retrieval_spec.goodput.budget import PROBE_EVERY, TREE_PATIENCE, TREE_RETRY_EVERY
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
-from vllm_retrieval_spec.goodput.search_gate import CREDIT_SEARCHES, EXPLORE_EVERY, SearchGate
+from vllm_retrieval_spec.goodput.search_gate import MAX_PENDING, MAX_WAIT_STEPS, MIN_PAIRED_STEPS, SearchGate, StepWay
 from vllm_retrieval_spec.verification.session import SpecSession
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
@@ -199,25 +200,105 @@ def test_a_prior_base_far_from_the_engine_does_not_pull_down_what_a_draft_token_
     assert model.per_token == pytest.approx(0.0009, rel=0.15)
 
 
-def test_accepted_nodes_are_counted_by_the_sources_that_drafted_them():
-    budget = GoodputBudget()
-    budget.stats.accepted_by_source.update({"dense": 3, "dense+learned_dense": 2, "datastore+dense": 5})
-    assert budget.accepted_only_from(SOURCE_DENSE) == 3
-    assert budget.accepted_only_from(SOURCE_DENSE | SOURCE_LEARNED) == 5  # nodes some other source drafted too: not
+def way(tokens: list[list[int]], seconds: float = 0.03, bucket: list[list[int]] | None = None,
+        source: list[list[int]] | None = None) -> StepWay:
+    """A way to draft a step whose nodes (``tokens``, -1 padded) sit in ``bucket`` (0 if not
+    given), drafted by ``source`` (the context if not given)."""
+    tokens = np.array(tokens)
+    bucket = np.zeros(tokens.shape, np.int64) if bucket is None else np.array(bucket)
+    source = np.full(tokens.shape, SOURCE_CONTEXT, np.int8) if source is None else np.array(source, np.int8)
+    return StepWay(tokens, seconds, bucket, np.full(tokens.shape, 0.5), source)
 
 
-def test_a_search_that_adds_nothing_is_skipped_but_tried_again_and_one_that_pays_is_kept():
-    budget = GoodputBudget(cost=cost_model(0.02, 0.0, 0.001))  # a token is worth 20 ms at 1 request
+def feed(gate: SearchGate, chain_with: list[int], chain_without: list[int], generated: list[int], steps: int,
+         seconds: tuple[float, float] = (0.03, 0.03)) -> None:
+    """``steps`` paired steps of one request whose chains with and without the search are
+    ``chain_with`` / ``chain_without`` and whose target then generates ``generated``."""
+    width = max(len(chain_with), len(chain_without))
+    token_ids = np.zeros((1, 4096), np.int32)
+    for step in range(steps):
+        start = step * len(generated)
+        ways = [way([chain + [-1] * (width - len(chain))], took)
+                for chain, took in zip((chain_with, chain_without), seconds)]
+        gate.record(["r"], np.array([start]), *ways, num_reqs=1)
+        token_ids[0, start:start + len(generated)] = generated
+        gate.follow(["r"], token_ids, np.array([start + len(generated)]))
+
+
+def test_the_search_starts_once_its_steps_serve_faster_and_stops_when_they_no_longer_do():
     gate = SearchGate(SOURCE_DENSE)
-    searched = []
-    for _ in range(CREDIT_SEARCHES + 8 * EXPLORE_EVERY):
-        searched.append(gate.open(budget, 1))
-        if searched[-1]:
-            gate.searched(0.002)
-    assert all(searched[:CREDIT_SEARCHES + 1]) and gate.closed  # the credit spent, nothing accepted
-    assert sum(searched[CREDIT_SEARCHES + 1:]) == 8  # one step in EXPLORE_EVERY after that
-    budget.stats.accepted_by_source["dense"] = 1  # one token (20 ms) pays for the 9 searches beyond the credit (18 ms)
-    assert gate.open(budget, 1) and not gate.closed
+    assert not gate.open()  # Hybrid drafts what REST drafts until the search has shown it pays
+    feed(gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], MIN_PAIRED_STEPS - 1)
+    assert not gate.searching  # not judged on fewer paired steps
+    feed(gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], 1)
+    assert gate.searching and gate.open()
+    # The search's continuation now displaces the chain the target generates.
+    feed(gate, [7, 1, 1, 1], [7, 8, 9, 10], [7, 8, 9, 10, 11], 40)
+    assert not gate.searching and not gate.open()
+
+
+def test_the_search_pays_only_for_all_its_time():
+    gate = SearchGate(SOURCE_DENSE)
+    feed(gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], 20, seconds=(0.031, 0.03))
+    assert gate.searching
+    gate = SearchGate(SOURCE_DENSE)
+    feed(gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], 20, seconds=(0.06, 0.03))
+    assert not gate.searching
+
+
+def test_a_paired_step_waits_for_the_tokens_its_chains_cover_and_drops_requests_that_left():
+    gate = SearchGate(SOURCE_DENSE)
+    token_ids = np.zeros((2, 64), np.int32)
+    token_ids[0, :8] = [1, 2, 3, 4, 5, 6, 7, 8]
+    gate.record(["a", "b"], np.array([4, 10]), way([[5, 6, 7], [9, -1, -1]]), way([[5, -1, -1], [9, 9, -1]]), 2)
+    gate.follow(["a", "b"], token_ids, np.array([6, 11]))  # "a" has 2 of its 3 tokens: wait
+    assert gate.judged == 0
+    gate.follow(["a"], token_ids, np.array([8]))  # "b" left: judged on "a" alone
+    assert gate.judged == 1
+    assert gate._tokens.tolist() == [2 + 3, 2 + 1]  # one token a request, then the confirmed prefixes
+
+
+def test_paired_steps_are_judged_after_a_bounded_wait_and_kept_in_bounded_number():
+    gate = SearchGate(SOURCE_DENSE)
+    token_ids = np.zeros((1, 64), np.int32)
+    for _ in range(MAX_PENDING + 5):
+        gate.record(["a"], np.array([0]), way([[1, 2]]), way([[1, 2]]), 1)
+    assert len(gate._pending) == MAX_PENDING
+    for _ in range(MAX_WAIT_STEPS):
+        gate.follow(["a"], token_ids, np.array([1]))  # the request never advances
+    assert not gate._pending and gate.judged == MAX_PENDING
+
+
+def test_the_unsent_ways_dense_nodes_teach_the_calibration_as_greedy_verification_would():
+    """The gate is closed, so the step sent the way without the search; of the way with it, the
+    nodes the dense source drafted (alone or with another) are learned: accepted up to the first
+    token the target did not generate, that one rejected, nothing past it, nothing of a request
+    that samples, and nothing of the other sources (their calibration is what sent nodes teach)."""
+    calibration = AcceptanceCalibration()
+    gate = SearchGate(SOURCE_DENSE)
+    dense_and_context = SOURCE_DENSE | SOURCE_CONTEXT
+    flags = [[SOURCE_CONTEXT, dense_and_context, SOURCE_DENSE, SOURCE_DENSE, SOURCE_DENSE]] * 2
+    searched = way([[7, 8, 9, 4, 4]] * 2, bucket=[[1, 2, 3, 4, 5]] * 2, source=flags)
+    plain = way([[7, 5, -1, -1, -1]] * 2, bucket=[[1, 6, 0, 0, 0]] * 2)
+    gate.record(["greedy", "samples"], np.array([0, 0]), searched, plain, 2, samples=np.array([False, True]))
+    token_ids = np.array([[7, 8, 1, 1, 1, 1]] * 2, np.int32)
+    gate.follow(["greedy", "samples"], token_ids, np.array([6, 6]), calibration)
+    observed, accepted = calibration.observed_total.reshape(-1), calibration.accepted_total.reshape(-1)
+    assert observed[[1, 2, 3, 4, 5, 6]].tolist() == [0, 1, 1, 0, 0, 0]
+    assert accepted[[2, 3]].tolist() == [1, 0]
+
+
+def test_the_budgets_what_if_keeps_what_it_would_choose_and_remembers_nothing():
+    budget = GoodputBudget(margin=0.0, cost=cost_model(0.02, 0.001, 0.001))
+    nodes = nodes_of(np.ones((2, 4)), CHAIN[:2, :4], SOURCE_CONTEXT, 16)
+    budgets = np.array([4, 2])
+    step = budget.what_if(nodes, budgets, 2, 0.002)
+    assert budget.stats.steps == 0 and budget._pending is None
+    chooser = copy.deepcopy(budget)
+    keep = chooser.choose(["a", "b"], nodes, budgets, 2, 0.002)
+    assert keep.any() and np.array_equal(step.tokens, np.where(keep, nodes.tokens, -1))
+    assert np.array_equal(step.bucket, chooser._pending.bucket) and np.array_equal(step.chance, chooser._pending.chance)
+    assert step.seconds == pytest.approx(0.02 + 2 * 0.001 + int(keep.sum()) * 0.001 + 0.002, rel=0.05)
 
 
 def nodes_of(prob: np.ndarray, parents: np.ndarray, source: int, match_len: int) -> DraftNodes:
@@ -268,7 +349,7 @@ def test_acceptance_is_read_back_from_the_sampled_tokens():
     # Rows come back reordered; "a" accepted 5 6 then the target said 1; "b" took 9 3 then 2.
     budget.observe(["b", "a"], [[9, 3, 2], [5, 6, 1]])
     assert budget.stats.accepted_nodes == 4
-    assert budget.accepted_only_from(SOURCE_CONTEXT) == 4 and budget.accepted_only_from(SOURCE_DATASTORE) == 0
+    assert budget.stats.accepted_by_source == {"context": 4}
     # a: 5, 6 accepted, 7 rejected (8 unobserved); b: 5 rejected, 9 and 3 accepted, 4 unobserved.
     assert budget.stats.observed_nodes == 3 + 3
 

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import SOURCE_LABELS, DraftNodes, count_sources
+from vllm_retrieval_spec.drafts import DraftNodes, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration
 from vllm_retrieval_spec.goodput.chooser import NodeCandidates, choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 from vllm_retrieval_spec.goodput.paths import first_children, fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
+from vllm_retrieval_spec.goodput.search_gate import StepWay
 from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 
@@ -186,16 +187,6 @@ class GoodputBudget:
         count_sources(self.stats.observed_by_source, source[observed])
         count_sources(self.stats.accepted_by_source, source[accepted])
 
-    def accepted_only_from(self, flags: int) -> int:
-        """Accepted nodes that no source outside ``flags`` drafted: what those sources added
-        that the others would not have (``stats.accepted_by_source`` over every non-empty subset of
-        ``flags``, enumerated as ``code = (code - 1) & flags``)."""
-        counts, total, code = self.stats.accepted_by_source, 0, flags
-        while code:
-            total += counts.get(SOURCE_LABELS[code], 0)
-            code = (code - 1) & flags
-        return total
-
     def seconds_per_token(self, num_reqs: int) -> float:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""
         return self.cost.idle_seconds(num_reqs) / max(num_reqs, 1)
@@ -260,6 +251,18 @@ class GoodputBudget:
         if kept:
             self._pending = pending
         return pending.keep
+
+    def what_if(self, nodes: DraftNodes, budgets: np.ndarray, num_reqs: int, draft_seconds: float,
+                samples: np.ndarray | None = None) -> StepWay:
+        """Chain candidates ``nodes`` as :meth:`choose` would keep them, without remembering
+        anything: the kept tokens (-1 past each row's kept nodes), the seconds the step would
+        take (its predicted verification plus ``draft_seconds``) and the nodes' buckets, chances
+        and sources."""
+        pending = self._choose_in_chains([], nodes, budgets, num_reqs, draft_seconds, samples)
+        keep = pending.keep
+        sampled = 0 if samples is None else int(keep[samples].sum())
+        seconds = float(self.cost.predict(num_reqs, num_reqs + int(keep.sum()), sampled=sampled)) + draft_seconds
+        return StepWay(np.where(keep, nodes.tokens, -1), seconds, pending.bucket, pending.chance, nodes.source)
 
     def _probes_below_rows(self, keep: np.ndarray, num_reqs: int) -> bool:
         """Whether this step goes without drafts to measure the step below the skinny GEMM's

@@ -1,57 +1,179 @@
-"""Whether an optional source's search pays for itself (Hybrid's dense search).
+"""Whether an optional source's search pays for itself (Hybrid's dense search), on whole steps.
 
 ``HybridProposer`` searches its dense store (and the index learned from served traffic) on top of
-REST's sources. The budget calibrates every source combination on its own, so nodes only the
-dense sources drafted are drafted where they are accepted; but the search itself costs its time
-every step. :class:`SearchGate` weighs the two: the tokens accepted from nodes no other source
-drafted (what REST's own sources would not have drafted), each worth the engine's time per token
-without drafts, against the time the searches took beyond a first credit.
+REST's sources. What the search costs is not only its time: its continuations also displace
+REST's own in the chains the budget keeps, and they change how many tokens a step verifies.
+Counting only the tokens accepted from nodes no other source drafted, a gate kept searching on
+code_edit while Hybrid served at 0.92-0.94x REST (results README, 2026-11-29, late night).
+
+:class:`SearchGate` compares the two whole steps on the same states instead: one step in
+``PAIR_EVERY_SEARCHING`` the proposer also drafts the other way (without the search while it
+searches; with it, one step in ``PAIR_EVERY_CLOSED``, while it does not), the budget chooses each
+way's chains as it would, and once the requests' next tokens are known, each way's step is worth
+the tokens its chains would have had accepted (their prefixes that match what the target
+generated) plus one a request, over the step's predicted time and its drafting time. The search
+starts stopped (Hybrid drafts what REST drafts until the search has shown it pays) and runs while
+its way's rate is at least the other's, over decaying sums of those paired steps (logged when that
+changes). The nodes of the way not sent that the optional sources drafted (alone or with others),
+in rows of greedy requests, feed the calibration as verified ones would (greedy verification
+accepts exactly the prefix the target generates): the dense sources' chances are learned before
+their nodes are ever sent, and the other sources' calibration stays what the sent nodes teach.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_retrieval_spec.goodput.budget import GoodputBudget
+import numpy as np
+
+from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
 
 logger = logging.getLogger(__name__)
 
-CREDIT_SEARCHES = 64  # searches a source gets before it must have paid for them
-EXPLORE_EVERY = 16  # a closed gate still searches one step in this many
+# Steps between two that draft both ways: while the search runs (the other way is REST's search
+# alone, ~1 ms at 1 in flight) and while it does not (the other way searches the dense store too).
+PAIR_EVERY_SEARCHING = 4
+PAIR_EVERY_CLOSED = 16
+MIN_PAIRED_STEPS = 8  # paired steps judged before the search may start (it starts stopped)
+PAIRED_DECAY = 0.97  # per judged paired step: the sums follow a changing workload
+MAX_WAIT_STEPS = 48  # steps a paired step waits for its requests' tokens before it is judged as far as they go
+MAX_PENDING = 64  # paired steps waiting at most (the oldest is dropped)
+
+
+@dataclass(frozen=True)
+class StepWay:
+    """One way to draft a step: per drafted row the chain the budget keeps (``[rows, N]``, -1
+    past its kept length), the seconds the step would take (predicted verification plus the
+    drafting this way took), and each node's calibration bucket, chance and ``SOURCE_*`` flags
+    (``[rows, N]``)."""
+
+    tokens: np.ndarray
+    seconds: float
+    bucket: np.ndarray
+    chance: np.ndarray
+    source: np.ndarray
+
+
+@dataclass
+class PairedStep:
+    """A step drafted both ways, waiting for its requests' next tokens."""
+
+    req_ids: list[str]  # of the drafted rows
+    starts: np.ndarray  # [rows] each row's tokens before the step: its chain's first token goes here
+    ways: tuple[StepWay, StepWay]  # (with the search, without)
+    num_reqs: int  # requests of the step (each gets one token either way)
+    verified: int  # which way the step sent (index into ``ways``)
+    greedy: np.ndarray  # [rows] the rows whose requests do not sample
+    age: int = 0
 
 
 @dataclass
 class SearchGate:
-    """The gate of the source(s) ``flags`` (``SOURCE_*``): open while the tokens accepted from
-    their nodes alone pay for their searches beyond the first ``CREDIT_SEARCHES``; closed, it
-    still opens one step in ``EXPLORE_EVERY``, so that a source that starts to pay is searched
-    again (logged when it closes and opens)."""
+    """Whether ``owner`` searches its optional sources (``flags``, ``SOURCE_*``) this step (see
+    the module docstring)."""
 
     flags: int
     owner: str = "proposer"
-    searches: int = 0
-    search_seconds: float = 0.0
     steps: int = 0
-    closed: bool = False
+    searches: int = 0
+    judged: int = 0  # paired steps judged
+    searching: bool = False
+    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(2))  # decaying, (with, without)
+    _seconds: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    _pending: list[PairedStep] = field(default_factory=list)
 
-    def open(self, budget: GoodputBudget, num_reqs: int) -> bool:
-        """Whether to search this step, for ``num_reqs`` requests drafting."""
+    def open(self) -> bool:
+        """Whether to search this step (counted as a step)."""
         self.steps += 1
-        if self.searches <= CREDIT_SEARCHES:
-            return True
-        accepted = budget.accepted_only_from(self.flags)
-        owed = self.search_seconds * (1.0 - CREDIT_SEARCHES / self.searches)
-        pays = accepted * budget.seconds_per_token(num_reqs) >= owed
-        if pays == self.closed:
-            self.closed = not pays
-            logger.info("%s: the dense search %s (%d tokens accepted from its nodes alone over %d searches of "
-                        "%.2f ms)%s", self.owner, "stopped paying for itself" if self.closed else "pays again",
-                        accepted, self.searches, 1000 * self.search_seconds / self.searches,
-                        f"; searching one step in {EXPLORE_EVERY}" if self.closed else "")
-        return pays or self.steps % EXPLORE_EVERY == 0
+        self.searches += self.searching
+        return self.searching
 
-    def searched(self, seconds: float) -> None:
-        """One search took ``seconds``."""
-        self.searches += 1
-        self.search_seconds += seconds
+    def pairs(self) -> bool:
+        """Whether this step also drafts the other way (one step in ``PAIR_EVERY_SEARCHING``
+        while the search runs or the first paired steps are judged, in ``PAIR_EVERY_CLOSED``
+        otherwise)."""
+        often = self.searching or self.judged < MIN_PAIRED_STEPS
+        return self.steps % (PAIR_EVERY_SEARCHING if often else PAIR_EVERY_CLOSED) == 0
+
+    def record(self, req_ids: list[str], starts: np.ndarray, searched: StepWay, plain: StepWay,
+               num_reqs: int, samples: np.ndarray | None = None) -> None:
+        """A step drafted both ways: ``searched`` with the search, ``plain`` without, the step
+        sending the one :meth:`open` chose; ``samples``: the rows whose requests sample."""
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.pop(0)
+        greedy = np.ones(len(req_ids), bool) if samples is None else ~np.asarray(samples, bool)
+        self._pending.append(PairedStep(req_ids, np.asarray(starts, np.int64), (searched, plain), num_reqs,
+                                        verified=0 if self.searching else 1, greedy=greedy))
+
+    def follow(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
+               calibration: AcceptanceCalibration | None = None) -> None:
+        """Judge the paired steps whose requests' tokens are known by now (``req_ids``: this
+        step's input-batch rows, ``token_ids[row, :num_tokens[row]]`` their tokens); a request
+        no longer in the batch leaves its rows out of both ways. The unsent way's nodes of the
+        optional sources in greedy rows feed ``calibration``."""
+        if not self._pending:
+            return
+        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+        waiting = []
+        for paired in self._pending:
+            paired.age += 1
+            rows = np.fromiter((row_of.get(r, -1) for r in paired.req_ids), np.int64, len(paired.req_ids))
+            if paired.age < MAX_WAIT_STEPS and not _known(paired, rows, num_tokens):
+                waiting.append(paired)
+                continue
+            self._judge(paired, rows, token_ids, num_tokens, calibration)
+        self._pending = waiting
+
+    def report(self) -> dict:
+        """Counters and each way's rate over the paired steps (for benchmarks and operators)."""
+        rates = (self._tokens / np.maximum(self._seconds, 1e-12)).tolist()
+        return {"steps": self.steps, "searches": self.searches, "paired_steps_judged": self.judged,
+                "searching": self.searching, "tokens_per_second_with_search": rates[0],
+                "tokens_per_second_without": rates[1]}
+
+    def _judge(self, paired: PairedStep, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+               calibration: AcceptanceCalibration | None) -> None:
+        present = rows >= 0
+        starts, rows = paired.starts[present], rows[present]
+        self._tokens *= PAIRED_DECAY
+        self._seconds *= PAIRED_DECAY
+        for i, way in enumerate(paired.ways):
+            observed, accepted = _outcomes(way.tokens[present], rows, starts, token_ids, num_tokens)
+            self._tokens[i] += paired.num_reqs + int(accepted.sum())
+            self._seconds[i] += way.seconds
+            if calibration is not None and i != paired.verified:
+                new = observed & ((way.source[present] & self.flags) != 0) & paired.greedy[present][:, None]
+                calibration.observe(way.bucket[present][new], way.chance[present][new], accepted[new])
+        self.judged += 1
+        if self.judged >= MIN_PAIRED_STEPS:
+            self._decide()
+
+    def _decide(self) -> None:
+        with_search, without = self._tokens / np.maximum(self._seconds, 1e-12)
+        searching = bool(with_search >= without)
+        if searching != self.searching:
+            self.searching = searching
+            logger.info("%s: the dense search %s (%.1f against %.1f tokens/s over the last ~%d paired steps)",
+                        self.owner, "pays again" if searching else "stopped paying for itself",
+                        with_search, without, round(1 / (1 - PAIRED_DECAY)))
+
+
+def _known(paired: PairedStep, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+    """Whether every row still in the batch has generated past both ways' chains."""
+    present = rows >= 0
+    longest = np.maximum(*((way.tokens[present] >= 0).sum(axis=1) for way in paired.ways))
+    return bool((num_tokens[rows[present]] >= paired.starts[present] + longest).all())
+
+
+def _outcomes(chains: np.ndarray, rows: np.ndarray, starts: np.ndarray, token_ids: np.ndarray,
+              num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node of ``chains`` (``[rows, N]``, -1 padded) drafted at ``starts``: observed (its
+    parent confirmed and its own position generated by now) and accepted (the target generated
+    its token there, and its parent's), as greedy verification would have found them."""
+    positions = starts[:, None] + np.arange(chains.shape[1])[None, :]
+    known = (positions < num_tokens[rows][:, None]) & (chains >= 0)
+    generated = token_ids[rows[:, None], np.minimum(positions, token_ids.shape[1] - 1)]
+    accepted = np.cumprod(known & (chains == generated), axis=1).astype(bool)
+    parent_accepted = np.pad(accepted, ((0, 0), (1, 0)), constant_values=True)[:, :-1]
+    return known & parent_accepted, accepted

@@ -137,6 +137,7 @@ class DraftProposer(abc.ABC):
         self.options.check_engine(self.num_speculative_tokens, vllm_config.cache_config.cache_dtype)
         self.stats = ProposerStats()
         self.session: DraftSession | None = None
+        self.aside_seconds = 0.0  # of this step's draft(): spent on what it does not send (not drafting time)
         self._rng = np.random.default_rng(CANDIDATE_SEED)
 
     def bind_session(self, session: DraftSession) -> None:
@@ -240,6 +241,7 @@ class DraftProposer(abc.ABC):
         self.stats.rows += len(batch)
         if len(batch) == 0:
             return None
+        self.aside_seconds = 0.0
         found = self.draft(batch)
         trees = batch.trees and self.options.tree and found.tree_tokens is not None  # some draft chains only
         nodes = found.nodes(trees)
@@ -248,7 +250,7 @@ class DraftProposer(abc.ABC):
                                                           prefixes=not trees))
         else:
             keep = budget.choose([req_ids[row] for row in batch.rows.tolist()], nodes, batch.budgets,
-                                 len(sampled_token_ids), time.perf_counter() - start, trees=trees,
+                                 len(sampled_token_ids), time.perf_counter() - start - self.aside_seconds, trees=trees,
                                  samples=self._row_samples(batch.rows), context_tokens=batch.num_tokens[batch.rows])
             chosen = ChosenDrafts(batch.rows, *nodes.kept(keep, prefixes=not trees))
         return self._draw_candidates(chosen, found) if self._samples_candidates() else chosen
