@@ -155,7 +155,7 @@ class SearchGate:
         if searching != self.searching:
             self.searching = searching
             logger.info("%s: the dense search %s (%.1f against %.1f tokens/s over the last ~%d paired steps)",
-                        self.owner, "pays again" if searching else "stopped paying for itself",
+                        self.owner, "pays for itself" if searching else "stopped paying for itself",
                         with_search, without, round(1 / (1 - PAIRED_DECAY)))
 
 
