@@ -19,7 +19,8 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
     python benchmarks/acceptance.py --interleave --concurrency 8 --prompts 64 --configs none suffix rest_k32
 
 ``--interleave`` builds every config's engine at once (~1 GB each) and runs each group of
-``--concurrency`` prompts on every engine in turn, the order rotating from group to group: the
+``--concurrency`` prompts on every engine in turn, in orders balanced from group to group (each
+config at each place, and right after each other config, equally often): the
 machine's drift, up to 25% within a run on a small VM, then falls on every config alike, and
 ratios of 1–5% become measurable (within a group the requests in flight fall from
 ``--concurrency`` as they finish, the same for every config).
@@ -302,7 +303,7 @@ def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namesp
 
 def run_interleaved(model: Path, names: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
     """Every config's engine at once, the prompts in groups of ``--concurrency`` run by every
-    engine in turn (the order rotating from group to group), so that the machine's drift falls
+    engine in turn (in balanced orders from group to group), so that the machine's drift falls
     on every config alike; each pass over the prompts (``--repeats``) counts as one run."""
     configs = {name: configured(model, name, args) for name in names}
     engines = {}
@@ -330,11 +331,28 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
 
 def interleaved_turns(names: list[str], num_prompts: int, size: int) -> Iterator[tuple[int, str]]:
     """``(first prompt of a group, config)`` in the order ``--interleave`` runs them: groups of
-    ``size`` prompts, each run by every config in turn, the order rotating from group to group."""
+    ``size`` prompts, each run by every config in turn, in the orders of :func:`balanced_orders`
+    from group to group."""
+    orders = balanced_orders(len(names))
     for index, start in enumerate(range(0, num_prompts, size)):
-        turn = index % len(names)
-        for name in names[turn:] + names[:turn]:
-            yield start, name
+        for position in orders[index % len(orders)]:
+            yield start, names[position]
+
+
+def balanced_orders(count: int) -> list[list[int]]:
+    """Orders of ``count`` configs in which each runs at each place once and right after each
+    other config equally often (a Williams design; ``2 * count`` orders when ``count`` is odd). A
+    rotation kept each config right after the same one in every group, so whatever a run leaves
+    behind for the next fell on one config alone."""
+    first, low, high = [0], 1, count - 1
+    while low <= high:
+        first.append(low)
+        low += 1
+        if low <= high:
+            first.append(high)
+            high -= 1
+    orders = [[(place + shift) % count for place in first] for shift in range(count)]
+    return orders if count % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
 def joined(runs: list[GenerationRun]) -> GenerationRun:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import json
 import sys
+from collections import Counter
+from itertools import pairwise
 from types import ModuleType
 
 import pytest
@@ -75,3 +77,17 @@ def test_prompts_fit_2048_tokens_and_acceptance_renders_them(model_dir):
         longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
         assert longest <= MAX_PROMPT_TOKENS, f"{name}: a prompt of {longest} tokens"
     assert len(acceptance.dataset_prompts(DATA / "doc_qa.jsonl", 5, tokenizer)) == 5
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_interleaved_configs_run_at_each_place_and_after_each_other_equally_often(count):
+    acceptance = load_benchmark("acceptance")
+    orders = acceptance.balanced_orders(count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    places = Counter((place, config) for order in orders for place, config in enumerate(order))
+    assert len(set(places.values())) == 1 and len(places) == count * count
+    follows = Counter(pair for order in orders for pair in pairwise(order))
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) <= 1
+    names = [f"c{i}" for i in range(count)]
+    turns = list(acceptance.interleaved_turns(names, 7, 2))
+    assert [start for start, _ in turns] == [start for start in range(0, 7, 2) for _ in names]
