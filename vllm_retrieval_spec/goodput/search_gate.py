@@ -127,7 +127,7 @@ class SearchGate:
 
     def report(self) -> dict:
         """Counters and each way's rate over the paired steps (for benchmarks and operators)."""
-        rates = (self._tokens / np.maximum(self._seconds, 1e-12)).tolist()
+        rates = self._rates().tolist()
         return {"steps": self.steps, "searches": self.searches, "paired_steps_judged": self.judged,
                 "searching": self.searching, "tokens_per_second_with_search": rates[0],
                 "tokens_per_second_without": rates[1]}
@@ -149,8 +149,12 @@ class SearchGate:
         if self.judged >= MIN_PAIRED_STEPS:
             self._decide()
 
+    def _rates(self) -> np.ndarray:
+        """Tokens per second of the paired steps, (with the search, without)."""
+        return self._tokens / np.maximum(self._seconds, 1e-12)
+
     def _decide(self) -> None:
-        with_search, without = self._tokens / np.maximum(self._seconds, 1e-12)
+        with_search, without = self._rates()
         searching = bool(with_search >= without)
         if searching != self.searching:
             self.searching = searching
