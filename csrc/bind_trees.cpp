@@ -2,6 +2,7 @@
 // threads or CUDA.
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include "tree_accept.h"
 #include "tree_attention.h"
 #include "tree_pack.h"
+#include "tree_tiles.h"
 #ifdef VRS_WITH_CUDA
 #include "tree_cuda.h"
 #endif
@@ -437,6 +439,27 @@ int tree_attention_gpu(const TreeAttentionInputs<Cuda>& inputs, std::uintptr_t s
 
 }  // namespace
 
+// Every block's pieces of the CUDA tree attention partition, computed on the host.
+NewArray<int64_t, 2> tree_attention_pieces(ConstVector<Cpu> request, ConstVector<Cpu> context, ConstVector<Cpu> index,
+                                           int tile_nodes) {
+  const int64_t nodes = static_cast<int64_t>(request.shape(0));
+  if (tile_nodes < 1) throw std::invalid_argument("tree_attention_pieces: tile_nodes must be at least 1");
+  if (static_cast<int64_t>(context.shape(0)) != nodes || static_cast<int64_t>(index.shape(0)) != nodes)
+    throw std::invalid_argument("tree_attention_pieces: node_request, node_context and node_index differ in length");
+  const vrs::NodeRuns runs{request.data(), context.data(), index.data(), nodes, tile_nodes};
+  std::vector<int64_t> rows;
+  for (int64_t block = 0; block * tile_nodes < nodes; ++block) {
+    for (int64_t begin = vrs::first_piece(runs, block); begin >= 0;) {
+      const int64_t end = vrs::piece_end(runs, begin);
+      rows.insert(rows.end(), {block, begin, end});
+      begin = vrs::next_piece(runs, block, end);
+    }
+  }
+  auto out = new_array<int64_t, 2>({rows.size() / 3, 3}, 0);
+  std::copy(rows.begin(), rows.end(), out.data());
+  return out;
+}
+
 void bind_trees(nb::module_& m) {
   m.def(
       "pack_tree_masks",
@@ -474,6 +497,10 @@ void bind_trees(nb::module_& m) {
       "new_values [tokens, kv_heads * head_size] and new_slots [tokens] int64 (CPU_VEC layout), "
       "first stores each token's key and value at its cache slot (< 0: none), as vLLM's "
       "cpu_attn_reshape_and_cache does.");
+  m.def("tree_attention_pieces", &tree_attention_pieces, nb::arg("node_request"), nb::arg("node_context"),
+        nb::arg("node_index"), nb::arg("tile_nodes"),
+        "How the CUDA tree attention kernel shares nodes out between its thread blocks "
+        "(tree_tiles.h): [pieces, 3] int64 rows (block, first node, end node), in each block's order.");
 #ifdef VRS_WITH_CUDA
   m.def(
       "tree_attention",

@@ -1,5 +1,5 @@
 // CUDA backend of tree attention (tree_attention.h), flash-decoding style. A thread block serves
-// a tile of consecutive nodes for one kv head. Consecutive nodes of one request (a run) share
+// pieces of runs for one kv head (tree_tiles.h). Consecutive nodes of one request (a run) share
 // their context, and their tree keys are the cache positions right after it, so the block reads
 // the run's keys once — cache positions from the first any node's window keeps to its last tree
 // node — coalesced into shared memory as float32, and scores each key for all of the run's query
@@ -19,6 +19,7 @@
 #include <string>
 
 #include "tree_attention.h"
+#include "tree_tiles.h"
 
 namespace vrs {
 namespace {
@@ -161,15 +162,6 @@ __device__ __forceinline__ bool sees(const RunNode& n, int context, int pos) {
   if (pos < context) return pos >= n.first;
   const int a = pos - context;
   return a >= n.first_ancestor && a <= n.last && ((n.bits[a >> 6] >> (a & 63)) & 1ULL);
-}
-
-// Nodes [begin, end) of the tile's next run: same request and context as node begin.
-__device__ int64_t run_end(const TreeAttentionArgs& a, int64_t begin, int64_t tile_end) {
-  int64_t end = begin + 1;
-  while (end < tile_end && a.node_request[end] == a.node_request[begin] &&
-         a.node_context[end] == a.node_context[begin])
-    ++end;
-  return end;
 }
 
 // Every thread: the run's keys from the first any window keeps to its last tree node, the
@@ -482,11 +474,10 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
   extern __shared__ float4 dynamic_shared[];
   __shared__ BlockShared sh;
   const Tiles tiles = Tiles::of(reinterpret_cast<float*>(dynamic_shared), geo);
-  const int64_t tile_begin = static_cast<int64_t>(blockIdx.x) * geo.tile_nodes;
-  const int64_t tile_end = min(a.num_nodes, tile_begin + geo.tile_nodes);
-  for (int64_t begin = tile_begin; begin < tile_end;) {
+  const NodeRuns runs{a.node_request, a.node_context, a.node_index, a.num_nodes, geo.tile_nodes};
+  for (int64_t begin = first_piece(runs, blockIdx.x); begin >= 0;) {
     Run run;
-    run.begin = begin, run.end = run_end(a, begin, tile_end);
+    run.begin = begin, run.end = piece_end(runs, begin);
     run.rows = static_cast<int>(run.end - run.begin) * geo.group;
     run.context = a.node_context[begin];
     const int request = a.node_request[begin];
@@ -494,7 +485,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(TreeAttentionA
                     ? a.block_table + static_cast<int64_t>(request) * a.table_width
                     : nullptr;
     attend_run<T>(a, geo, run, sh, tiles, partial);
-    begin = run.end;
+    begin = next_piece(runs, blockIdx.x, run.end);
   }
 }
 

@@ -14,10 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_retrieval_spec.drafts import DraftTree
 from vllm_retrieval_spec.kernels.attention import KVLayout, LayerAttention, TreeNodes, tree_attention
 from vllm_retrieval_spec.kernels.attention_reference import node_positions, tree_attention_reference
+from vllm_retrieval_spec.kernels.extension import load_extension
 from vllm_retrieval_spec.kernels.tree import pack_tree_masks
 from vllm_retrieval_spec.verification.tree_attention import (
     TreeAttentionError,
@@ -370,6 +373,64 @@ def test_cuda_kernel_matches_reference_on_long_contexts(layout, dtype, group, kv
         options = attention_options(rng, case.heads, "cuda")
         options["window"] = int(rng.choice([0, 700, 2990]))
         assert_matches_reference(case, options, layout, dtype, "cuda", tolerance)
+
+
+def reference_pieces(request: np.ndarray, context: np.ndarray, index: np.ndarray, tile: int) -> np.ndarray:
+    """tree_tiles.h's partition: chunks start at a run's first node or at a node whose index is a
+    multiple of ``tile``; the block whose range of ``tile`` nodes holds a chunk's start serves it,
+    in pieces of at most ``tile`` nodes."""
+    starts = np.ones(len(request), bool)
+    starts[1:] = (request[1:] != request[:-1]) | (context[1:] != context[:-1]) | (index[1:] % tile == 0)
+    chunk_starts = np.flatnonzero(starts)
+    pieces = [(start // tile, begin, min(begin + tile, end))
+              for start, end in zip(chunk_starts, [*chunk_starts[1:], len(request)])
+              for begin in range(start, end, tile)]
+    return np.array(sorted(pieces, key=lambda piece: piece[0]), np.int64).reshape(-1, 3)
+
+
+@st.composite
+def node_runs(draw):
+    """Runs of one request and context: indices counting up from a tree's leading chain, or any."""
+    request, context, index = [], [], []
+    for run in range(draw(st.integers(1, 12))):
+        size = draw(st.integers(1, 40))
+        first = draw(st.integers(0, 20))
+        counting = draw(st.booleans())
+        indices = range(first, first + size) if counting else draw(st.lists(st.integers(-3, 70), min_size=size,
+                                                                            max_size=size))
+        request += [draw(st.integers(0, 3)) if run else 0] * size
+        context += [draw(st.integers(0, 2))] * size
+        index += list(indices)
+    return tuple(np.array(a, np.int32) for a in (request, context, index))
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=node_runs(), tile=st.sampled_from([1, 2, 4, 8, 16]))
+def test_cuda_blocks_share_nodes_out_as_the_reference(runs, tile):
+    """Every node in exactly one piece of one run, served by the block holding its chunk's start."""
+    pieces = load_extension().tree_attention_pieces(*runs, tile)
+    np.testing.assert_array_equal(pieces, reference_pieces(*runs, tile))
+    covered = np.concatenate([np.arange(begin, end) for _, begin, end in pieces])
+    np.testing.assert_array_equal(np.sort(covered), np.arange(len(runs[0])))
+
+
+def test_a_tree_of_a_tile_is_one_piece_without_its_leading_chain():
+    """64 trees of 16 nodes, the first (the leading chain) left out: one piece, one context read,
+    a tree (fixed tiles of 16 nodes each straddled two trees)."""
+    trees, tile = 64, 16
+    request = np.repeat(np.arange(trees, dtype=np.int32), 15)
+    index = np.tile(np.arange(1, 16, dtype=np.int32), trees)
+    pieces = load_extension().tree_attention_pieces(request, np.full_like(request, 900), index, tile)
+    assert len(pieces) == trees
+    assert (pieces[:, 2] - pieces[:, 1] == 15).all()
+
+
+def test_pieces_refuse_a_tile_below_one_and_ragged_arrays():
+    one = np.zeros(3, np.int32)
+    with pytest.raises(ValueError, match="tile_nodes"):
+        load_extension().tree_attention_pieces(one, one, one, 0)
+    with pytest.raises(ValueError, match="differ in length"):
+        load_extension().tree_attention_pieces(one, one[:2], one, 4)
 
 
 def test_window_wider_than_every_path_changes_nothing():
