@@ -437,8 +437,6 @@ int tree_attention_gpu(const TreeAttentionInputs<Cuda>& inputs, std::uintptr_t s
 }
 #endif
 
-}  // namespace
-
 // Every block's pieces of the CUDA tree attention partition, computed on the host.
 NewArray<int64_t, 2> tree_attention_pieces(ConstVector<Cpu> request, ConstVector<Cpu> context, ConstVector<Cpu> index,
                                            int tile_nodes) {
@@ -459,6 +457,8 @@ NewArray<int64_t, 2> tree_attention_pieces(ConstVector<Cpu> request, ConstVector
   std::copy(rows.begin(), rows.end(), out.data());
   return out;
 }
+
+}  // namespace
 
 void bind_trees(nb::module_& m) {
   m.def(
