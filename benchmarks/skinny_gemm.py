@@ -25,11 +25,15 @@ from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, model_r
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 
 
-def small_page_copy(linear):
-    """``linear`` with its packed weight copied to torch's allocator (4 KiB pages under transparent
-    huge pages' ``madvise`` mode)."""
+def kernel_copy(linear, rows: int, small_pages: bool = False):
+    """``linear`` taking calls of ``rows`` rows to the kernel whatever the engine's
+    ``cpu_gemm_max_rows`` (past it the engine's layer hands them to oneDNN), with its packed weight
+    copied to torch's allocator (4 KiB pages under transparent huge pages' ``madvise`` mode) if
+    ``small_pages``."""
     copy = copy_module.copy(linear)
-    copy.packed = linear.packed.clone()
+    copy.max_rows = max(rows, linear.max_rows)
+    if small_pages:
+        copy.packed = linear.packed.clone()
     return copy
 
 
@@ -40,7 +44,8 @@ def layer_times(linears: list, rows: int, repeats: int) -> dict[str, float]:
     import torch
 
     inputs = [torch.randn(rows, linear.in_features) for linear in linears]
-    calls = {"skinny": linears, "skinny_small_pages": [small_page_copy(linear) for linear in linears],
+    calls = {"skinny": [kernel_copy(linear, rows) for linear in linears],
+             "skinny_small_pages": [kernel_copy(linear, rows, small_pages=True) for linear in linears],
              "onednn": [linear.fallback for linear in linears]}
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
