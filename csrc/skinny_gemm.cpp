@@ -4,10 +4,7 @@
 #include "skinny_gemm.h"
 
 #include <algorithm>
-#include <array>
 #include <cstring>
-#include <utility>
-#include <vector>
 
 #include "isa_clones.h"
 #include "parallel.h"
@@ -180,78 +177,18 @@ VRS_WIDE void wide_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
     }
   }
 }
-
-// 13 to 30 rows: every row in one block against one panel at a time (up to 30 accumulators),
-// reading x from a copy laid out k-major (x_by_k[k * rows + r]), so that each broadcast is an
-// offset from one pointer folded into its multiply-add. Each panel's weights are read from memory
-// once while the multiply-adds of every row run on them, where two blocks of up to 12 rows read
-// them from memory for the first and from the cache for the second: 1.02-1.25x as fast over the
-// model's layers at 13-30 rows, the copy included (alternating A/B outside the engine; at 31-32
-// rows a block of 30 plus one of the rest gained nothing). The same sums, bit for bit, as the
-// blocks above.
-constexpr int kTallRowsMin = 13;
-constexpr int kTallRowsMax = 30;
-
-template <int M>
-VRS_WIDE void tall_panels(const SkinnyGemmArgs& a, const float* x_by_k, int64_t begin, int64_t end) {
-  const int64_t K = a.in_features;
-  for (int64_t panel = begin; panel < end; ++panel) {
-    const float* w = a.w + panel * K * kSkinnyGemmPanel;
-    WideLanes acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = WideLanes{};
-    for (int64_t k = 0; k < K; ++k) {
-      __builtin_prefetch(w + (k + kWidePrefetchLines) * kSkinnyGemmPanel, 0, 3);
-      const WideLanes wk = wide_load(w + k * kSkinnyGemmPanel);
-      _Pragma("GCC unroll 32") for (int r = 0; r < M; ++r) acc[r] += wk * wide_splat(x_by_k[k * M + r]);
-    }
-    const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-    float* y = a.y + n;
-    for (int r = 0; r < M; ++r, y += a.out_features) {
-      float sums[kSkinnyGemmPanel];
-      std::memcpy(sums, &acc[r], sizeof(sums));
-      for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
-    }
-  }
-}
-
-using TallPanels = void (*)(const SkinnyGemmArgs&, const float*, int64_t, int64_t);
-
-template <int... Offsets>
-constexpr std::array<TallPanels, sizeof...(Offsets)> tall_table(std::integer_sequence<int, Offsets...>) {
-  return {&tall_panels<kTallRowsMin + Offsets>...};
-}
-
-constexpr auto kTallPanels = tall_table(std::make_integer_sequence<int, kTallRowsMax - kTallRowsMin + 1>());
-
-bool takes_tall_blocks(int64_t rows) { return has_wide_lanes() && rows >= kTallRowsMin && rows <= kTallRowsMax; }
-
-// x[rows, K] as x_by_k[K, rows], in this thread's buffer.
-const float* by_k(const SkinnyGemmArgs& a) {
-  thread_local std::vector<float> buffer;
-  buffer.resize(a.rows * a.in_features);
-  for (int64_t k = 0; k < a.in_features; ++k)
-    for (int64_t r = 0; r < a.rows; ++r) buffer[k * a.rows + r] = a.x[r * a.in_features + k];
-  return buffer.data();
-}
 #else
 void wide_panels(const SkinnyGemmArgs&, int64_t, int64_t) {}
-bool takes_tall_blocks(int64_t) { return false; }
-const float* by_k(const SkinnyGemmArgs&) { return nullptr; }
 #endif
 
-// Panels [begin, end) for every row, on the widest vectors the CPU has; in one tall block where
-// x_by_k holds x k-major (takes_tall_blocks).
-void any_panels(const SkinnyGemmArgs& a, const float* x_by_k, int64_t begin, int64_t end) {
-#if VRS_HAS_WIDE
-  if (x_by_k) return kTallPanels[a.rows - kTallRowsMin](a, x_by_k, begin, end);
-#endif
+// Panels [begin, end) for every row, on the widest vectors the CPU has.
+void any_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
   if (has_wide_lanes()) wide_panels(a, begin, end);
   else panels(a, begin, end);
 }
 
 struct TeamTask {
   const SkinnyGemmArgs* args;
-  const float* x_by_k;
   int64_t panels;
 };
 
@@ -259,7 +196,7 @@ struct TeamTask {
 void run_share(void* context) {
   const auto& task = *static_cast<const TeamTask*>(context);
   const int64_t threads = omp_team_size(), me = omp_team_member();
-  any_panels(*task.args, task.x_by_k, task.panels * me / threads, task.panels * (me + 1) / threads);
+  any_panels(*task.args, task.panels * me / threads, task.panels * (me + 1) / threads);
 }
 
 }  // namespace
@@ -269,12 +206,11 @@ int skinny_gemm_threads() { return omp_team_threads(); }
 void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
   const int64_t count = (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel;
   const int64_t threads = std::min<int64_t>(skinny_gemm_threads(), count / kPanelsPerThread);
-  const float* x_by_k = takes_tall_blocks(args.rows) ? by_k(args) : nullptr;
   if (threads <= 1) {
-    any_panels(args, x_by_k, 0, count);
+    any_panels(args, 0, count);
     return;
   }
-  TeamTask task{&args, x_by_k, count};
+  TeamTask task{&args, count};
   run_on_omp_team(static_cast<int>(threads), &run_share, &task);
 }
 

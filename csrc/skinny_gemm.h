@@ -2,9 +2,8 @@
 // few rows a decode or verification step computes (M up to a few dozen). The weights are packed
 // once (when the model loads) into panels of kSkinnyGemmPanel output columns, each panel's K rows
 // of 16 floats contiguous: a register-blocked kernel (up to 6 rows of x × 16 columns, 12 vector
-// accumulators of 8 lanes; with AVX-512, up to 12 rows × 2 panels, 24 accumulators of 16 lanes,
-// and 13 to 30 rows × 1 panel in one block from a k-major copy of x) reads a panel from memory
-// once per call and from cache for every further block of rows,
+// accumulators of 8 lanes; with AVX-512, up to 12 rows × 2 panels, 24 accumulators of 16 lanes)
+// reads a panel from memory once per call and from cache for every further block of rows,
 // broadcasting x, with no horizontal sums. Each output is summed over k in order, whatever
 // M is and however the rows are blocked, so a row's result does not depend on the rows beside it.
 // Threads: the OpenMP team torch runs on (found in the process at first use), so no second pool

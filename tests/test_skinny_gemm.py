@@ -44,7 +44,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, out_features,
         assert torch.equal(skinny_gemm(x[row:row + 1].clone(), weight, bias)[0], together[row])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 30, 31, 32])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 32])
 def test_avx512_blocks_give_the_avx2_blocks_sums_bit_for_bit(rows, both_lane_widths):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 200, generator=generator)

@@ -5,9 +5,8 @@ weight matrix of the model. vLLM's CPU build runs its linear layers through oneD
 weights, whose cost jumps once a step has more than one row and which reaches ~40% of this 2-core
 VM's multiply-add rate at 24-32 rows. The kernel keeps each weight packed in panels of 16 output
 columns (:func:`pack_weight`, once when the model loads) and computes blocks of up to 6 rows × 16
-columns in registers (with AVX-512, 13 to 30 rows in one block of a panel), on the OpenMP team torch
-runs on: in an engine ~1.25x oneDNN at 1-3 rows (both stream the weights), ~1.3x from 5 to 24,
-level at 32-40 (``benchmarks/skinny_gemm.py``).
+columns in registers, on the OpenMP team torch runs on: in an engine ~1.25x oneDNN at 1-3 rows
+(both stream the weights), ~1.3x from 5 to 24, level at 32-40 (``benchmarks/skinny_gemm.py``).
 :class:`SkinnyLinear` hands larger calls (prefills) back to oneDNN. A model's packed weights share a
 :class:`HugePageArena`: on Linux they sit on 2 MiB pages, where the kernel ran 1.00-1.13x as fast
 as on the 4 KiB pages torch's allocator gets under transparent huge pages' usual ``madvise`` mode
