@@ -25,6 +25,11 @@ machine's drift, up to 25% within a run on a small VM, then falls on every confi
 ratios of 1–5% become measurable (within a group the requests in flight fall from
 ``--concurrency`` as they finish, the same for every config).
 
+``--prefill`` also times each engine prefilling the prompts alone (``max_tokens`` 1, its prefix
+cache emptied first; in the same interleaved groups), work every config does alike and no
+drafter touches: the report then gives each config's tokens/s beyond that time and its ratio to
+``suffix``'s, the part of a run speculation can speed up (at 8 in flight on long prompts, ~half of it).
+
 ``--dataset`` takes the prompts from a JSONL file of chat ``messages`` records (rendered with the
 model's chat template) or raw ``prompt`` records instead, e.g. the workloads of ``workloads.py``;
 the file's name then stands for ``<form>`` in the report's name.
@@ -288,6 +293,14 @@ def warm_up(llm, prompts: list[str], args: argparse.Namespace) -> None:
     generate(llm, prompts[:1], 8, seeds=seeds and seeds[:1], **sampling_of(args))
 
 
+def prefill_seconds(llm, prompts: list[str], args: argparse.Namespace) -> float:
+    """Seconds ``llm`` takes to prefill ``prompts`` (one token each, ``--concurrency`` at a time)
+    with its prefix cache emptied first."""
+    llm.reset_prefix_cache()
+    seeds = request_seeds(prompts, args)
+    return generate(llm, prompts, 1, concurrency=args.concurrency, seeds=seeds, **sampling_of(args)).seconds
+
+
 def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namespace) -> dict:
     config, spec = configured(model, name, args)
     llm = build_llm(spec)
@@ -296,9 +309,10 @@ def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namesp
         runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency,
                          seeds=request_seeds(prompts, args), **sampling_of(args)) for _ in range(args.repeats)]
         budget = budget_report(llm, args.concurrency)
+        prefill = prefill_seconds(llm, prompts, args) * args.repeats if args.prefill else None
     finally:
         shutdown_llm(llm)
-    return config_result(name, config, runs, budget)
+    return config_result(name, config, runs, budget, prefill)
 
 
 def run_interleaved(model: Path, names: list[str], prompts: list[str], args: argparse.Namespace) -> list[dict]:
@@ -322,11 +336,14 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
                     engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
                     seeds=seeds and seeds[start:start + size], **sampling_of(args)))
         budgets = {name: budget_report(llm, args.concurrency) for name, llm in engines.items()}
+        prefill = dict.fromkeys(names, 0.0 if args.prefill else None)
+        for start, name in interleaved_turns(names, len(prompts), size) if args.prefill else ():
+            prefill[name] += prefill_seconds(engines[name], prompts[start:start + size], args) * args.repeats
     finally:
         for llm in engines.values():
             shutdown_llm(llm)
-    return [config_result(name, configs[name][0], [joined(runs) for runs in groups[name]], budgets[name])
-            for name in names]
+    return [config_result(name, configs[name][0], [joined(runs) for runs in groups[name]], budgets[name],
+                          prefill[name]) for name in names]
 
 
 def interleaved_turns(names: list[str], num_prompts: int, size: int) -> Iterator[tuple[int, str]]:
@@ -361,8 +378,10 @@ def joined(runs: list[GenerationRun]) -> GenerationRun:
                          sum((run.counters for run in runs), SpecDecodeCounters()), sum(run.seconds for run in runs))
 
 
-def config_result(name: str, config: dict, runs: list[GenerationRun], budget: dict | None) -> dict:
-    """What a report holds of one config's runs (``output_ids``: the first run's, to compare)."""
+def config_result(name: str, config: dict, runs: list[GenerationRun], budget: dict | None,
+                  prefill: float | None = None) -> dict:
+    """What a report holds of one config's runs (``output_ids``: the first run's, to compare) and,
+    given the seconds it took to ``prefill`` their prompts alone, its tokens/s beyond them."""
     records = [record for run in runs for record in run.records]
     counters = sum((run.counters for run in runs), SpecDecodeCounters())
     summary = summarize(records, counters)
@@ -374,6 +393,9 @@ def config_result(name: str, config: dict, runs: list[GenerationRun], budget: di
         **summary.as_dict(),
         "seconds": seconds,
         "tokens_per_second": summary.generated_tokens / seconds,
+        "prefill_seconds": prefill,
+        "tokens_per_second_beyond_prefill": None if prefill is None else
+        summary.generated_tokens / max(seconds - prefill, 1e-9),
         "draft_tokens_per_request_step": summary.draft_tokens / max(summary.decode_steps, 1),
         "accepted_tokens_per_request_step": summary.accepted_tokens / max(summary.decode_steps, 1),
         "drafting_ms_per_step": drafting_ms_per_step(budget),
@@ -495,6 +517,10 @@ def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: boo
         reference = ours_reference if is_ours(CONFIGS[base_config(result["config"])]) else outputs[0]
         result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
         result["speedup_vs_suffix"] = result["tokens_per_second"] / (sum(suffix) / len(suffix)) if suffix else None
+        beyond = [r["tokens_per_second_beyond_prefill"] for r in results if base_config(r["config"]) == "suffix"]
+        result["speedup_vs_suffix_beyond_prefill"] = (
+            result["tokens_per_second_beyond_prefill"] / (sum(beyond) / len(beyond))
+            if beyond and None not in beyond and result["tokens_per_second_beyond_prefill"] else None)
         result["prompts_differing_from_none"] = (sum(a != b for a, b in zip(reference, output))
                                                  if repeatable else None)
 
@@ -526,6 +552,11 @@ def print_table(report: dict) -> None:
               f"{r['tokens_per_second']:7.1f} "
               f"{_interval(r['tokens_per_second_ci95'], 1):>13s} {r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} "
               f"{differ:>7s}")
+    for r in report["results"]:
+        if r.get("prefill_seconds") is not None:
+            vs_suffix = _number(r["speedup_vs_suffix_beyond_prefill"], 2)
+            print(f"{r['config']:22s} prefill alone {r['prefill_seconds']:.1f} of {r['seconds']:.1f} s; beyond it "
+                  f"{r['tokens_per_second_beyond_prefill']:.1f} tok/s, {vs_suffix}x suffix")
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -579,6 +610,8 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="every config's engine at once, each group of --concurrency prompts run by every engine "
                              "in turn: drift falls on all alike (no NAME@2 repeats or last no-speculation run needed)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also time each engine prefilling the prompts alone and report tokens/s beyond that")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")
