@@ -28,7 +28,8 @@ ratios of 1–5% become measurable (within a group the requests in flight fall f
 ``--prefill`` also times each engine prefilling the prompts alone (``max_tokens`` 1, its prefix
 cache emptied first; in the same interleaved groups), work every config does alike and no
 drafter touches: the report then gives each config's tokens/s beyond that time and its ratio to
-``suffix``'s, the part of a run speculation can speed up (at 8 in flight on long prompts, ~half of it).
+``suffix``'s: the part of a run speculation can speed up (prefill was a third to a half of the
+workloads' runs at 8 in flight on the 2-core VM).
 
 ``--dataset`` takes the prompts from a JSONL file of chat ``messages`` records (rendered with the
 model's chat template) or raw ``prompt`` records instead, e.g. the workloads of ``workloads.py``;
