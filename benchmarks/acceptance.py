@@ -337,9 +337,11 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
                     engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
                     seeds=seeds and seeds[start:start + size], **sampling_of(args)))
         budgets = {name: budget_report(llm, args.concurrency) for name, llm in engines.items()}
-        prefill = dict.fromkeys(names, 0.0 if args.prefill else None)
-        for start, name in interleaved_turns(names, len(prompts), size) if args.prefill else ():
-            prefill[name] += prefill_seconds(engines[name], prompts[start:start + size], args) * args.repeats
+        prefill = dict.fromkeys(names, None)
+        if args.prefill:
+            prefill = dict.fromkeys(names, 0.0)
+            for start, name in interleaved_turns(names, len(prompts), size):
+                prefill[name] += prefill_seconds(engines[name], prompts[start:start + size], args) * args.repeats
     finally:
         for llm in engines.values():
             shutdown_llm(llm)
@@ -555,9 +557,10 @@ def print_table(report: dict) -> None:
               f"{differ:>7s}")
     for r in report["results"]:
         if r.get("prefill_seconds") is not None:
-            vs_suffix = _number(r["speedup_vs_suffix_beyond_prefill"], 2)
+            ratio = r["speedup_vs_suffix_beyond_prefill"]
+            vs_suffix = f", {ratio:.2f}x suffix" if ratio else ""
             print(f"{r['config']:22s} prefill alone {r['prefill_seconds']:.1f} of {r['seconds']:.1f} s; beyond it "
-                  f"{r['tokens_per_second_beyond_prefill']:.1f} tok/s, {vs_suffix}x suffix")
+                  f"{r['tokens_per_second_beyond_prefill']:.1f} tok/s{vs_suffix}")
 
 
 def _number(value: float | None, digits: int) -> str:
