@@ -7,8 +7,8 @@ decoded in lock step, ``--concurrency`` at a time (a finished request's slot tak
 REST through the real kernel, goodput budget (calibration, cost model, chooser), output
 index and live index, exactly as the proposer drives them, and Arctic Inference's
 ``SuffixDecodingCache`` as vLLM's ``suffix`` method drives it. A step's time is simulated with a
-fixed linear cost (``--step-ms + --request-ms × requests + --draft-token-ms × drafts``, the
-budget's cost model knows it exactly) plus the measured drafting time, so the figures isolate
+fixed linear cost (``COSTS``: a step, a request and a draft token's seconds at 1 and at 8 in
+flight; the budget's cost model knows it exactly) plus the measured drafting time, so the figures isolate
 what the drafts and the budget's choices are worth; acceptance.py measures the real thing.
 Minutes instead of an hour per comparison: how the calibration traps and the whole-batch margin
 were found. It leaves out the engine's own dynamics (a learned step cost, prefills, arrivals):
@@ -17,6 +17,8 @@ confirm a change on the engine (a first-token-only request factor won here and l
     python benchmarks/budget_replay.py --workloads code_edit humaneval_chat --concurrency 1 8
     python benchmarks/budget_replay.py --prior-strengths 2 8 --tag strength   # REST once per prior strength
     python benchmarks/budget_replay.py --same-states   # REST's drafts against suffix's from the same states
+    python benchmarks/budget_replay.py --workloads multi_turn --concurrency 8 --first-draft-ms 0.5 50
+        # REST once per drafting time its budget sees at the first step (whether the first step drafts)
 
 Writes results/budget_replay_c<concurrency>[_<tag>].json (``--same-states``:
 results/budget_replay_same_states[_<tag>].json) and prints a table.
@@ -173,7 +175,8 @@ class RestDrafter:
     """``RestProposer``'s step with budget ``auto``: observe, skip, search, choose."""
 
     def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float],
-                 prior_strength: float = AcceptanceCalibration.prior_strength) -> None:
+                 prior_strength: float = AcceptanceCalibration.prior_strength,
+                 first_draft_seconds: float | None = None) -> None:
         options = RetrievalSpecOptions()
         self.store, self.params = store, RestParams.from_options(options, chain_len=k)
         prior = (*cost, *PRIORS["cpu"][3:])
@@ -183,6 +186,7 @@ class RestDrafter:
         self.live = LiveIndex.from_options(options) if concurrency > 1 else None
         self.live_max_matches = options.live_max_matches
         self.seconds = 0.0
+        self.first_draft_seconds = first_draft_seconds  # the first step's drafting time as the budget sees it
         self.last_search: tuple[np.ndarray, DraftNodes] | None = None  # searched rows and their candidates
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
@@ -213,8 +217,11 @@ class RestDrafter:
                               live=live, chances=self.budget.chance_table())
         nodes = found.nodes(False)
         self.last_search = rows, nodes
+        seconds = time.perf_counter() - start
+        if self.first_draft_seconds is not None and not self.budget.stats.steps:
+            seconds = self.first_draft_seconds
         keep = self.budget.choose([req_ids[r] for r in rows], nodes, np.full(len(rows), self.params.chain_len),
-                                  len(req_ids), time.perf_counter() - start)
+                                  len(req_ids), seconds)
         kept, _, sizes, _ = nodes.kept(keep)
         for j, row in enumerate(rows.tolist()):
             drafts[row] = kept[j, : sizes[j]].tolist()
@@ -324,6 +331,15 @@ def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -
     return cached_traces(model, path, max_tokens, texts, workload)
 
 
+def rest_variants(args: argparse.Namespace) -> list[tuple[str, float, float | None]]:
+    """REST's replays: a name, a prior strength and the first step's drafting seconds (None: as
+    measured) for each combination asked."""
+    firsts = [None] if args.first_draft_ms is None else [ms / 1000 for ms in args.first_draft_ms]
+    return [(f"rest_k{args.k}" + (f"_s{strength:g}" if len(args.prior_strengths) > 1 else "")
+             + ("" if first is None else f"_first{first * 1000:g}ms"), strength, first)
+            for strength in args.prior_strengths for first in firsts]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["code_edit", "multi_turn", "doc_qa", "humaneval_chat"])
@@ -333,6 +349,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prior-strengths", type=float, nargs="+", default=[AcceptanceCalibration.prior_strength],
                         help="REST once per calibration prior strength (pseudo-observations a sparse bucket "
                              "borrows from its prior)")
+    parser.add_argument("--first-draft-ms", type=float, nargs="+", default=None,
+                        help="REST once per drafting time (ms) its budget sees at the first step (default: as "
+                             "measured), which decides whether the first step drafts")
     parser.add_argument("--same-states", action="store_true",
                         help="instead: REST against suffix at the same decoding states, one request at a time")
     parser.add_argument("--tag", default="")
@@ -373,25 +392,26 @@ def main() -> None:
         cost, report = COSTS[concurrency], []
         print(f"\n{concurrency} in flight (simulated step: {cost[0] * 1000:.0f} ms + {cost[1] * 1000:.0f} ms/request "
               f"+ {cost[2] * 1000:.1f} ms/draft token + drafting)")
-        print(f"{'workload':15s} {'config':13s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
+        print(f"{'workload':15s} {'config':20s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
               f"{'draft ms':>9s} {'tok/s':>7s} {'x suffix':>9s}")
         for workload in args.workloads:
             traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
             suffix = lock_step(traces, concurrency, cost, SuffixDrafter()).row("suffix")
-            rests = [lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost, strength)).row(
-                f"rest_k{args.k}" + (f"_s{strength:g}" if len(args.prior_strengths) > 1 else ""))
-                for strength in args.prior_strengths]
+            rests = [lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost, strength,
+                                                                      first)).row(name)
+                     for name, strength, first in rest_variants(args)]
             for row in (suffix, *rests):
                 row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]
                            / suffix["simulated_tokens_per_second"])
                 report.append(row)
-                print(f"{workload:15s} {row['config']:13s} {row['honest_tokens_per_step']:7.2f} "
+                print(f"{workload:15s} {row['config']:20s} {row['honest_tokens_per_step']:7.2f} "
                       f"{row['drafted_per_request_step']:8.2f} {row['accepted_per_request_step']:9.2f} "
                       f"{row['acceptance_rate']:7.1%} {row['drafting_ms_per_step']:9.2f} "
                       f"{row['simulated_tokens_per_second']:7.1f} {row['speedup_vs_suffix']:8.2f}x")
         out = RESULTS / f"budget_replay_c{concurrency}{'_' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps({"concurrency": concurrency, "cost_seconds": cost, "prompts": args.prompts,
-                                   "k": args.k, "prior_strengths": args.prior_strengths, "results": report},
+                                   "k": args.k, "prior_strengths": args.prior_strengths,
+                                   "first_draft_ms": args.first_draft_ms, "results": report},
                                   indent=2) + "\n")
         print(f"written: {out}", file=sys.stderr)
 

@@ -691,3 +691,39 @@ def test_a_few_good_nodes_are_drafted_in_a_large_batch():
     assert choice.keep[0, :2].all() and choice.keep.sum() == 2
     weak = np.where(chance > 0, 0.02, 0.0)  # 0.02 of a token for 1.5 ms at ~380 tokens/s does not pay
     assert not choose_nodes(NodeCandidates(weak, np.full(32, 8), 32), cost, 0.0, 0.05).keep.any()
+
+
+def test_a_bucket_whose_first_nodes_failed_learns_from_the_nodes_it_no_longer_sends():
+    """Twenty rejections hold a context bucket below what a node costs, so the budget stops
+    sending its nodes; the target then keeps generating exactly what they proposed, and the
+    calibration learns that from the sampled tokens until the bucket's nodes pay again."""
+    budget = GoodputBudget(cost=StepCostModel(prior=(0.05, 0.002, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0), prior_steps=1e9))
+    nodes = DraftNodes(np.array([[42]], np.int32), np.array([[-1]], np.int32), np.array([1], np.int32),
+                       np.full((1, 1), 0.9, np.float32), np.full((1, 1), SOURCE_CONTEXT, np.int8),
+                       np.ones((1, 1), np.int32))
+    bucket = budget.calibration.buckets(nodes, np.zeros((1, 1), np.int32)).reshape(-1)
+    for _ in range(20):
+        budget.calibration.observe(bucket, np.ones(1), np.zeros(1, bool))
+    sent = []
+    for _ in range(40):
+        sent.append(bool(budget.choose(["r"], nodes, np.array([1]), 1, 0.0).any()))
+        budget.observe(["r"], [[42, 7] if sent[-1] else [42]])  # the bonus token after an accepted node
+    assert not sent[0] and sent[-1]
+    assert budget.stats.unsent_observed_nodes == budget.stats.unsent_accepted_nodes == sent.index(True)
+    assert budget.stats.observed_nodes == budget.stats.accepted_nodes == len(sent) - sent.index(True)
+
+
+def test_only_greedy_rows_that_kept_no_node_teach_their_first_node():
+    """Three chains the same: a greedy row that kept two nodes learns what verification showed,
+    a sampling row that kept none nothing, and a greedy row that kept none its first node from the
+    one token the target sampled."""
+    budget = GoodputBudget(margin=0.0, cost=cost_model(0.02, 0.001, 0.0))
+    tokens = np.broadcast_to(np.array([5, 6, 7, 8], np.int32), (3, 4)).copy()
+    nodes = DraftNodes(tokens, CHAIN[:3, :4].copy(), np.full(3, 4, np.int32), np.ones((3, 4), np.float32),
+                       np.full((3, 4), SOURCE_CONTEXT, np.int8), np.full((3, 4), 4, np.int32))
+    keep = budget.choose(["kept", "sampling", "unsent"], nodes, np.array([2, 0, 0]), 3, 0.0,
+                         samples=np.array([False, True, False]))
+    np.testing.assert_array_equal(keep.sum(axis=1), [2, 0, 0])
+    budget.observe(["kept", "sampling", "unsent"], [[5, 6, 7], [5], [5]])
+    assert (budget.stats.unsent_observed_nodes, budget.stats.unsent_accepted_nodes) == (1, 1)
+    assert (budget.stats.observed_nodes, budget.stats.accepted_nodes) == (2, 2)

@@ -4,7 +4,9 @@ Each step, in the proposers' base (through the session):
 
 1. :meth:`GoodputBudget.observe` reads, from the tokens each request just sampled, which of
    the nodes drafted for it last step were accepted (a node is accepted when its parent is
-   and its token is the one sampled at its depth), and feeds calibration;
+   and its token is the one sampled at its depth), and feeds calibration (with the first
+   candidate node of each greedy chain row that kept none:
+   :meth:`GoodputBudget.learn_from_unsent_first_nodes`);
 2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
    for its verification (their search is skipped);
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
@@ -83,6 +85,8 @@ class BudgetStats:
     branched_steps: int = 0  # of which kept a branch
     observed_nodes: int = 0
     accepted_nodes: int = 0
+    unsent_observed_nodes: int = 0  # first nodes of rows that kept none, learned from the sampled token
+    unsent_accepted_nodes: int = 0
     observed_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafting_seconds: float = 0.0  # searching and drafting, summed over the steps that chose
@@ -129,6 +133,7 @@ class PendingNodes:
     branch: np.ndarray  # [rows, N] the branch roots, whose chances the branch factor scaled
     branch_factor: float
     chains: bool  # each row a chain (read back by the chain kernel)
+    unsent_first: np.ndarray | None = None  # [rows] chains: the row kept no node, its first is learned from
 
 
 @dataclass
@@ -186,6 +191,29 @@ class GoodputBudget:
         source = pending.source[present]
         count_sources(self.stats.observed_by_source, source[observed])
         count_sources(self.stats.accepted_by_source, source[accepted])
+        if pending.unsent_first is not None:
+            self.learn_from_unsent_first_nodes(pending, present, sampled)
+
+    def learn_from_unsent_first_nodes(self, pending: PendingNodes, present: np.ndarray,
+                                      sampled: Sequence[Sequence[int]]) -> None:
+        """Calibrate on the first candidate node of each greedy chain row that kept none, as if it
+        had been verified: the one token the target sampled for the row is what greedy verification
+        would have accepted there. Calibration otherwise learns only from nodes the budget sends, so
+        a few early rejections could hold a match length's first nodes below what pays, unsent and
+        unlearned, for the rest of a run (in the budget replay at 8 in flight on multi_turn, three
+        rejected first nodes of 9-16-token matches left REST at 1.25 honest tokens a step against
+        3.0). Only first nodes: learning the node after every kept prefix too drafted 1.2 more
+        tokens a step at 1 in flight on multi_turn for the same accepted ones."""
+        first = pending.unsent_first[present]
+        target = _padded(sampled, 1)[:, 0]
+        chance = pending.chance[present][:, 0]
+        seen = first & (target >= 0) & (chance > 0)
+        if not seen.any():
+            return
+        hits = (pending.tokens[present][:, 0] == target)[seen]
+        self.calibration.observe(pending.bucket[present][:, 0][seen], chance[seen], hits)
+        self.stats.unsent_observed_nodes += int(seen.sum())
+        self.stats.unsent_accepted_nodes += int(hits.sum())
 
     def seconds_per_token(self, num_reqs: int) -> float:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""
@@ -239,6 +267,8 @@ class GoodputBudget:
         if self._probes_below_rows(pending.keep, num_reqs):
             pending.keep = np.zeros_like(pending.keep)
             self.stats.probe_steps += 1
+        if pending.chains:
+            pending.unsent_first = _unsent_first_nodes(pending.tokens, pending.keep, samples)
         self.calibration.tick()
         self.stats.steps += 1
         self.stats.drafting_seconds += draft_seconds
@@ -248,7 +278,7 @@ class GoodputBudget:
         self.stats.drafted_steps += kept > 0
         if self.stats.steps % LOG_EVERY_STEPS == 0:
             self.log_summary()
-        if kept:
+        if kept or (pending.unsent_first is not None and pending.unsent_first.any()):
             self._pending = pending
         return pending.keep
 
@@ -331,6 +361,13 @@ class GoodputBudget:
         """The calibration's chance of every bucket, for a drafter to rank its candidates by."""
         return self.calibration.chance_table()
 
+
+
+def _unsent_first_nodes(tokens: np.ndarray, keep: np.ndarray, samples: np.ndarray | None) -> np.ndarray:
+    """``[rows]``: the chain rows that kept no node but have a first one, of requests that do not
+    sample (a sampled token is not what verification would accept)."""
+    unsent = ~keep.any(axis=1) & (tokens[:, 0] >= 0)
+    return unsent if samples is None else unsent & ~np.asarray(samples, bool)
 
 
 def _padded(lists: Sequence[Sequence[int]], width: int) -> np.ndarray:
