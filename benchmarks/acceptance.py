@@ -513,6 +513,7 @@ def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: boo
     engine without drafts: for ours our sampler drafting nothing where it ran (seeded runs), else no
     speculation."""
     suffix = [r["tokens_per_second"] for r in results if base_config(r["config"]) == "suffix"]
+    beyond = [r["tokens_per_second_beyond_prefill"] for r in results if base_config(r["config"]) == "suffix"]
     baseline = [r["tokens_per_second"] for r in results if base_config(r["config"]) in ("none", "none_again")]
     names = [r["config"] for r in results]
     ours_reference = outputs[names.index(SEEDED_REFERENCE)] if SEEDED_REFERENCE in names else outputs[0]
@@ -520,7 +521,6 @@ def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: boo
         reference = ours_reference if is_ours(CONFIGS[base_config(result["config"])]) else outputs[0]
         result["speedup_vs_none"] = result["tokens_per_second"] / (sum(baseline) / len(baseline))
         result["speedup_vs_suffix"] = result["tokens_per_second"] / (sum(suffix) / len(suffix)) if suffix else None
-        beyond = [r["tokens_per_second_beyond_prefill"] for r in results if base_config(r["config"]) == "suffix"]
         result["speedup_vs_suffix_beyond_prefill"] = (
             result["tokens_per_second_beyond_prefill"] / (sum(beyond) / len(beyond))
             if beyond and None not in beyond and result["tokens_per_second_beyond_prefill"] else None)
