@@ -23,7 +23,9 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
 config at each place, and right after each other config, equally often): the
 machine's drift, up to 25% within a run on a small VM, then falls on every config alike, and
 ratios of 1–5% become measurable (within a group the requests in flight fall from
-``--concurrency`` as they finish, the same for every config).
+``--concurrency`` as they finish, the same for every config). Each config's ratio to ``suffix``
+then gets a 95% bootstrap interval, the groups resampled together (tokens/s) and the requests
+resampled together (the honest figure): ``speedup_vs_suffix_ci95``, ``honest_vs_suffix_ci95``.
 
 ``--prefill`` also times each engine prefilling the prompts alone (``max_tokens`` 1, its prefix
 cache emptied first; in the same interleaved groups), work every config does alike and no
@@ -346,7 +348,7 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
         for llm in engines.values():
             shutdown_llm(llm)
     return [config_result(name, configs[name][0], [joined(runs) for runs in groups[name]], budgets[name],
-                          prefill[name]) for name in names]
+                          prefill[name], [run for runs in groups[name] for run in runs]) for name in names]
 
 
 def interleaved_turns(names: list[str], num_prompts: int, size: int) -> Iterator[tuple[int, str]]:
@@ -382,9 +384,10 @@ def joined(runs: list[GenerationRun]) -> GenerationRun:
 
 
 def config_result(name: str, config: dict, runs: list[GenerationRun], budget: dict | None,
-                  prefill: float | None = None) -> dict:
-    """What a report holds of one config's runs (``output_ids``: the first run's, to compare) and,
-    given the seconds it took to ``prefill`` their prompts alone, its tokens/s beyond them."""
+                  prefill: float | None = None, groups: list[GenerationRun] | None = None) -> dict:
+    """What a report holds of one config's runs (``output_ids``: the first run's, to compare),
+    given the seconds it took to ``prefill`` their prompts alone, its tokens/s beyond them, and
+    the tokens and seconds of each of its interleaved ``groups`` of prompts."""
     records = [record for run in runs for record in run.records]
     counters = sum((run.counters for run in runs), SpecDecodeCounters())
     summary = summarize(records, counters)
@@ -403,6 +406,11 @@ def config_result(name: str, config: dict, runs: list[GenerationRun], budget: di
         "accepted_tokens_per_request_step": summary.accepted_tokens / max(summary.decode_steps, 1),
         "drafting_ms_per_step": drafting_ms_per_step(budget),
         **intervals(runs),
+        "group_generated_tokens": None if groups is None else [sum(len(r.output_ids) for r in run.records)
+                                                              for run in groups],
+        "group_seconds": None if groups is None else [run.seconds for run in groups],
+        "request_generated_tokens": [len(r.output_ids) for r in records],
+        "request_decode_steps": [r.decode_steps for r in records],
         "budget": budget,
         "output_ids": [r.output_ids for r in runs[0].records],
     }
@@ -412,13 +420,12 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 
 
 def intervals(runs: list) -> dict:
-    """95% intervals: the honest figure bootstrapped over requests (1,000 resamples, fixed seed);
+    """95% intervals: the honest figure bootstrapped over requests (:func:`bootstrap_picks`);
     tokens/s and the acceptance rate over the repeats (t interval; None with one run); the
     honest figure of each repeat (does a learning drafter get better as the prompts cycle?)."""
     generated = np.array([len(r.output_ids) for run in runs for r in run.records], dtype=float)
     steps = np.array([r.decode_steps for run in runs for r in run.records], dtype=float)
-    picks = np.random.default_rng(0).integers(0, len(steps), (1000, len(steps)))
-    honest = (generated[picks] - 1).sum(axis=1) / np.maximum(steps[picks].sum(axis=1), 1)
+    honest = resampled_ratios(generated - 1, steps, bootstrap_picks(len(steps)))
     per_run = {
         "tokens_per_second": [sum(len(r.output_ids) for r in run.records) / run.seconds for run in runs],
         "acceptance_rate": [run.counters.accepted_tokens / run.counters.draft_tokens
@@ -512,8 +519,9 @@ def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: boo
     and to vLLM suffix (the mean of its runs), and (greedy or seeded) prompts differing from the same
     engine without drafts: for ours our sampler drafting nothing where it ran (seeded runs), else no
     speculation."""
-    suffix = [r["tokens_per_second"] for r in results if base_config(r["config"]) == "suffix"]
-    beyond = [r["tokens_per_second_beyond_prefill"] for r in results if base_config(r["config"]) == "suffix"]
+    suffixes = [r for r in results if base_config(r["config"]) == "suffix"]
+    suffix = [r["tokens_per_second"] for r in suffixes]
+    beyond = [r["tokens_per_second_beyond_prefill"] for r in suffixes]
     baseline = [r["tokens_per_second"] for r in results if base_config(r["config"]) in ("none", "none_again")]
     names = [r["config"] for r in results]
     ours_reference = outputs[names.index(SEEDED_REFERENCE)] if SEEDED_REFERENCE in names else outputs[0]
@@ -526,6 +534,42 @@ def compare(results: list[dict], outputs: list[list[list[int]]], repeatable: boo
             if beyond and None not in beyond and result["tokens_per_second_beyond_prefill"] else None)
         result["prompts_differing_from_none"] = (sum(a != b for a, b in zip(reference, output))
                                                  if repeatable else None)
+        result["speedup_vs_suffix_ci95"] = paired_ratio_interval(
+            result, suffixes, "group_generated_tokens", "group_seconds")
+        result["honest_vs_suffix_ci95"] = paired_ratio_interval(
+            result, suffixes, "request_generated_tokens", "request_decode_steps", less_one=True)
+
+
+def paired_ratio_interval(result: dict, references: list[dict], numerator: str, denominator: str,
+                          less_one: bool = False, resamples: int = 1000) -> list[float] | None:
+    """95% bootstrap interval of ``result``'s ratio of summed ``numerator`` to summed
+    ``denominator`` (``less_one``: each numerator less one) over ``references``' (pooled), units
+    resampled together (fixed seed): the interleaved groups of prompts every config ran (tokens
+    over seconds: the prompts' spread and the machine's drift between groups, not what falls on
+    every config of a group alike), or the requests (generated tokens less the first over decode
+    steps: the honest figure). None without the units in every report (or with fewer than two)."""
+    runs = [result, *references]
+    if not references or any(r.get(denominator) is None for r in runs):
+        return None
+    shift = 1.0 if less_one else 0.0
+    tops = [np.asarray(r[numerator], float) - shift for r in runs]
+    bottoms = [np.asarray(r[denominator], float) for r in runs]
+    units = len(bottoms[0])
+    if units < 2 or any(len(b) != units for b in bottoms):
+        return None
+    picks = bootstrap_picks(units, resamples)
+    ours = resampled_ratios(tops[0], bottoms[0], picks)
+    return np.quantile(ours / resampled_ratios(sum(tops[1:]), sum(bottoms[1:]), picks), [0.025, 0.975]).tolist()
+
+
+def bootstrap_picks(units: int, resamples: int = 1000) -> np.ndarray:
+    """``[resamples, units]`` unit indices drawn with replacement (fixed seed)."""
+    return np.random.default_rng(0).integers(0, units, (resamples, units))
+
+
+def resampled_ratios(numerators: np.ndarray, denominators: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """Summed numerators over summed denominators of each resample (row) of ``picks``."""
+    return numerators[picks].sum(axis=1) / np.maximum(denominators[picks].sum(axis=1), 1e-9)
 
 
 def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
@@ -555,6 +599,11 @@ def print_table(report: dict) -> None:
               f"{r['tokens_per_second']:7.1f} "
               f"{_interval(r['tokens_per_second_ci95'], 1):>13s} {r['speedup_vs_none']:7.2f}x {vs_suffix:>9s} "
               f"{differ:>7s}")
+    for r in report["results"]:
+        if r.get("speedup_vs_suffix_ci95") and base_config(r["config"]) not in ("none", "none_again", "suffix"):
+            print(f"{r['config']:22s} {r['speedup_vs_suffix']:.2f}x suffix, 95% CI "
+                  f"{_interval(r['speedup_vs_suffix_ci95'])} over {len(r['group_seconds'])} groups of prompts; "
+                  f"honest ÷ suffix's 95% CI {_interval(r['honest_vs_suffix_ci95'])} over requests")
     for r in report["results"]:
         if r.get("prefill_seconds") is not None:
             ratio = r["speedup_vs_suffix_beyond_prefill"]

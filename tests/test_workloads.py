@@ -91,3 +91,22 @@ def test_interleaved_configs_run_at_each_place_and_after_each_other_equally_ofte
     names = [f"c{i}" for i in range(count)]
     turns = list(acceptance.interleaved_turns(names, 7, 2))
     assert [start for start, _ in turns] == [start for start in range(0, 7, 2) for _ in names]
+
+
+def test_paired_ratio_intervals_hold_the_ratio_and_need_their_units_in_every_report():
+    acceptance = load_benchmark("acceptance")
+
+    def interval(ours, references, less_one=False):
+        return acceptance.paired_ratio_interval(ours, references, "tokens", "seconds", less_one=less_one)
+
+    suffix = {"tokens": [100, 200, 300], "seconds": [2.0, 4.0, 5.0]}
+    twice = {"tokens": [100, 200, 300], "seconds": [1.0, 2.0, 2.5]}
+    assert interval(twice, [suffix]) == pytest.approx([2.0, 2.0])
+    mixed = {**twice, "seconds": [1.0, 4.0, 5.0]}  # one unit twice as fast, two alike
+    low, high = interval(mixed, [suffix])
+    assert 1.0 <= low < 600 / 10 / (600 / 11) < high <= 2.0
+    assert interval({"tokens": [3, 5], "seconds": [1, 2]}, [{"tokens": [2, 3], "seconds": [1, 2]}],
+                    less_one=True) == pytest.approx([2.0, 2.0])  # (2 + 4) / 3 over (1 + 2) / 3
+    assert interval({**twice, "seconds": None}, [suffix]) is None  # not interleaved
+    assert interval(twice, []) is None
+    assert interval({"tokens": [1], "seconds": [1.0]}, [{"tokens": [1], "seconds": [1.0]}]) is None
