@@ -406,8 +406,7 @@ def config_result(name: str, config: dict, runs: list[GenerationRun], budget: di
         "accepted_tokens_per_request_step": summary.accepted_tokens / max(summary.decode_steps, 1),
         "drafting_ms_per_step": drafting_ms_per_step(budget),
         **intervals(runs),
-        "group_generated_tokens": None if groups is None else [sum(len(r.output_ids) for r in run.records)
-                                                              for run in groups],
+        "group_generated_tokens": None if groups is None else [run.generated_tokens for run in groups],
         "group_seconds": None if groups is None else [run.seconds for run in groups],
         "request_generated_tokens": [len(r.output_ids) for r in records],
         "request_decode_steps": [r.decode_steps for r in records],
@@ -427,7 +426,7 @@ def intervals(runs: list) -> dict:
     steps = np.array([r.decode_steps for run in runs for r in run.records], dtype=float)
     honest = resampled_ratios(generated - 1, steps, bootstrap_picks(len(steps)))
     per_run = {
-        "tokens_per_second": [sum(len(r.output_ids) for r in run.records) / run.seconds for run in runs],
+        "tokens_per_second": [run.generated_tokens / run.seconds for run in runs],
         "acceptance_rate": [run.counters.accepted_tokens / run.counters.draft_tokens
                             for run in runs if run.counters.draft_tokens],
     }

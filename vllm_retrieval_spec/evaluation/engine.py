@@ -114,6 +114,11 @@ class GenerationRun:
     counters: SpecDecodeCounters
     seconds: float
 
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens generated over all records."""
+        return sum(len(record.output_ids) for record in self.records)
+
 
 _request_ids = itertools.count()
 
