@@ -47,6 +47,10 @@ greedy ones, each with the same engine drafting nothing: ours with our sampler d
 sampler draws differently. Ours must not differ (the seeded promise; vLLM's CPU matmuls at other
 batch shapes may move a near-tie, about one request in 30).
 
+Under the table each budget's cost model says how far it predicted its recent decode steps
+(``cost_prediction_error``); ``--step-log`` also keeps every step it observed in the report
+(``step_log``), which ``cost_model_replay.py`` replays through other cost models.
+
 Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>][_s<seed>]][_<tag>].json.
 """
 
@@ -308,6 +312,7 @@ def run_config(model: Path, name: str, prompts: list[str], args: argparse.Namesp
     config, spec = configured(model, name, args)
     llm = build_llm(spec)
     try:
+        keep_step_log(llm, args)
         warm_up(llm, prompts, args)
         runs = [generate(llm, prompts, args.max_tokens, concurrency=args.concurrency,
                          seeds=request_seeds(prompts, args), **sampling_of(args)) for _ in range(args.repeats)]
@@ -327,6 +332,7 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
     try:
         for name in names:
             engines[name] = build_llm(configs[name][1])
+            keep_step_log(engines[name], args)
             warm_up(engines[name], prompts, args)
         seeds = request_seeds(prompts, args)
         groups: dict[str, list[list[GenerationRun]]] = {name: [] for name in names}
@@ -453,19 +459,35 @@ def drafting_ms_per_step(budget: dict | None) -> float | None:
     return budget["stats"]["drafting_seconds"] / budget["stats"]["steps"] * 1e3
 
 
+def budget_of(llm):
+    """``llm``'s goodput budget (None: not our proposer, or budget fixed)."""
+    return getattr(getattr(drafter_of(llm), "session", None), "budget", None)
+
+
+def keep_step_log(llm, args: argparse.Namespace) -> None:
+    """With ``--step-log``: ``llm``'s cost model keeps the steps it observes, for the report."""
+    budget = budget_of(llm)
+    if args.step_log and budget is not None:
+        budget.cost.keep_step_log()
+
+
 def budget_report(llm, concurrency: int) -> dict | None:
-    """The goodput budget's counters, calibration buckets and learned cost curve (budget auto)."""
-    drafter = drafter_of(llm)
-    budget = getattr(getattr(drafter, "session", None), "budget", None)
+    """The goodput budget's counters, calibration buckets and learned cost curve (budget auto),
+    and the steps its cost model observed if it kept them (``--step-log``)."""
+    budget = budget_of(llm)
     if budget is None:
         return None
-    gate = getattr(drafter, "gate", None)  # Hybrid's search gate
+    gate = getattr(drafter_of(llm), "gate", None)  # Hybrid's search gate
+    cost = budget.cost
     return {
         "stats": vars(budget.stats),
-        "cost_coefficients_seconds": budget.cost.coefficients.tolist(),
-        "cost_curve": budget.cost.curve(concurrency),
+        "cost_coefficients_seconds": cost.coefficients.tolist(),
+        "cost_prediction_error": cost.error.report(),
+        "cost_curve": cost.curve(concurrency),
         "calibration": budget.calibration.report(),
         **({} if gate is None else {"search_gate": gate.report()}),
+        **({} if cost.step_log is None else {"cost_kernel_rows": cost.kernel_rows,
+                                             "step_log": [list(step) for step in cost.step_log]}),
     }
 
 
@@ -604,6 +626,11 @@ def print_table(report: dict) -> None:
                   f"{_interval(r['speedup_vs_suffix_ci95'])} over {len(r['group_seconds'])} groups of prompts; "
                   f"honest ÷ suffix's 95% CI {_interval(r['honest_vs_suffix_ci95'])} over requests")
     for r in report["results"]:
+        error = (r.get("budget") or {}).get("cost_prediction_error")
+        if error and error["steps"]:
+            print(f"{r['config']:22s} step cost learned: recent decode steps predicted within "
+                  f"{error['mean_absolute']:.1%}, bias {error['bias']:+.1%} (over 0: priced dearer than they ran)")
+    for r in report["results"]:
         if r.get("prefill_seconds") is not None:
             ratio = r["speedup_vs_suffix_beyond_prefill"]
             vs_suffix = f", {ratio:.2f}x suffix" if ratio else ""
@@ -664,6 +691,9 @@ def main() -> None:
                              "in turn: drift falls on all alike (no NAME@2 repeats or last no-speculation run needed)")
     parser.add_argument("--prefill", action="store_true",
                         help="also time each engine prefilling the prompts alone and report tokens/s beyond that")
+    parser.add_argument("--step-log", action="store_true",
+                        help="each budget's report holds the steps its cost model observed (step_log), which "
+                             "cost_model_replay.py replays through other cost models")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--repeat-baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="run no speculation again at the end; speed-ups are against the mean of both runs")

@@ -1,10 +1,12 @@
 """``benchmarks/budget_replay.py`` drives REST's real drafting loop (kernel, goodput budget,
 output and live indexes) through token streams to their end, with the calibration's prior
 strength it is given, and ``suffix`` the same way where Arctic Inference is installed;
-``benchmarks/copy_ceiling.py`` counts on the same streams what copying from the request could draft."""
+``benchmarks/copy_ceiling.py`` counts on the same streams what copying from the request could draft;
+``benchmarks/cost_model_replay.py`` feeds engines' logged steps to step-cost models of other settings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,21 @@ def test_copy_ceiling_counts_continuations_of_earlier_occurrences_in_the_request
     assert shares["any_k1"] == pytest.approx(3 / 6) and shares["latest_k1"] == pytest.approx(2 / 6)
     assert shares["any_k2"] == pytest.approx(1 / 6) and shares["latest_k2"] == 0
     assert shares["any_k4"] == 0
+
+
+def test_cost_model_replay_predicts_a_linear_engine_with_every_setting(tmp_path):
+    """``benchmarks/cost_model_replay.py``: an engine whose steps follow linear cost terms
+    exactly is predicted within 2% by every model setting (the rest: the ridge towards the CPU
+    prior), read from a report's step log."""
+    module = load_benchmark("cost_model_replay")
+    steps = [[0.03 + 0.002 * reqs + 0.0015 * drafts, reqs, reqs + drafts, 0.0, 0, 0]
+             for reqs in range(1, 9) for drafts in range(0, 40, 3)] * 3
+    report = tmp_path / "acceptance_x.json"
+    report.write_text(json.dumps({"results": [{"config": "none", "budget": None}, {"config": "rest_k32", "budget": {
+        "cost_kernel_rows": 0, "step_log": steps}}]}))
+    [(config, kernel_rows, logged)] = module.logged_engines(report)
+    assert config == "rest_k32" and logged == steps
+    for settings in module.VARIANTS.values():
+        row = module.replay(logged, kernel_rows, **settings)
+        assert row["predicted_steps"] == len(steps) - module.SETTLING_STEPS
+        assert row["mean_absolute_error"] < 0.02 and row["relative_draft_cost_spread"] < 0.1

@@ -130,6 +130,41 @@ def test_cost_model_learns_a_linear_curve_and_ignores_idle_gaps():
     np.testing.assert_allclose(model.coefficients[:3], [0.05, 0.002, 0.0015], rtol=0.02, atol=2e-4)
 
 
+def test_the_scale_follows_a_slowdown_within_steps_and_the_error_records_the_miss():
+    model = cost_model(0.05, 0.002, 0.0015)
+    assert model.scale == pytest.approx(1.0) and model.error.mean_absolute < 0.01 and abs(model.error.bias) < 0.01
+    learned = model.error.steps
+    assert model.observe(0.15, 8, 2008, prefill_tokens=2000)  # a prompt chunk: learned from, not counted
+    assert model.error.steps == learned
+    slower = 1.25 * float(model.predict(8, 16))  # the engine slows down by a quarter
+    for _ in range(20):
+        model.observe(slower, 8, 16)
+    assert float(model.predict(8, 16)) == pytest.approx(slower, rel=0.03)  # mostly the scale: 1.1-1.2
+    assert 1.1 < model.scale < 1.25
+    np.testing.assert_allclose(model.coefficients, model.scale * model.shape)
+    assert model.error.bias < 0 and model.error.steps == learned + 20  # the first of them ran past the prediction
+    assert model.error.report() == {"mean_absolute": model.error.mean_absolute, "bias": model.error.bias,
+                                    "steps": model.error.steps}
+
+
+def test_a_model_replayed_on_its_step_log_ends_where_it_did_and_without_a_scale_keeps_one():
+    model, rng = StepCostModel(kernel_rows=16), np.random.default_rng(1)
+    model.observe(0.04, 2, 4)  # before the log was asked for: not in it
+    model.keep_step_log()
+    for _ in range(300):
+        reqs, drafts, prefill = int(rng.integers(1, 9)), int(rng.integers(0, 20)), int(rng.integers(0, 2)) * 500
+        model.observe(float(rng.uniform(0.8, 1.2)) * (0.03 + 0.002 * reqs + 0.0015 * drafts + 0.0004 * prefill),
+                      reqs, reqs + drafts + prefill, prefill_tokens=prefill)
+    assert len(model.step_log) == 300 and model.scale != 1.0
+    replayed, one_fit = StepCostModel(kernel_rows=16), StepCostModel(kernel_rows=16, scale_forgetting=0.0)
+    replayed.observe(0.04, 2, 4)
+    for step in model.step_log:
+        replayed.observe(*step)
+        one_fit.observe(*step)
+    np.testing.assert_array_equal(replayed.coefficients, model.coefficients)
+    assert one_fit.scale == 1.0 and np.array_equal(one_fit.coefficients, one_fit.shape)
+
+
 def test_a_step_after_the_engine_waited_for_requests_is_not_learned_even_at_start(monkeypatch):
     """A readiness probe, then a minute without requests: the first steps of the next request
     come before the cost model could call that minute an outlier."""

@@ -72,7 +72,11 @@ def test_steps_publish_draft_budget_and_acceptance_counts():
     session.stats.mcss_requests += 3  # what a step of drawn candidates adds
     session.budget.stats.tree_steps += 3  # what three tree-mode steps add, one of which kept a branch
     session.budget.stats.branched_steps += 1
+    assert value("budget_step_cost_error", labels, measure="bias") == 0.0  # no step past the warm-up yet
+    session.budget.cost.error.add(0.012, 0.010, forgetting=0.99)  # a step predicted 20% dearer than it ran
     step(session, proposer, [[]])  # a step without sampled tokens: nothing drafted
+    assert value("budget_step_cost_error", labels, measure="bias") == pytest.approx(0.2)
+    assert value("budget_step_cost_error", labels, measure="mean_absolute") == pytest.approx(0.2)
     assert value("compacted_kv_slots_total", labels) == 5 and value("mcss_requests_total", labels) == 3
     assert value("budget_tree_choices_total", labels, choice="branched") == 1
     assert value("budget_tree_choices_total", labels, choice="chain") == 2

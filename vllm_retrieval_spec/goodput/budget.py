@@ -352,9 +352,10 @@ class GoodputBudget:
             "node-context pairs + %.3f ms/sampled draft token + %.1f ms/tree step + %.3f ms/prefill token + "
             "%.1f ms/step past the skinny GEMM's rows; kept %d of %d candidate nodes over %d steps (%d drafted, "
             "%d probes without drafts), %d of %d observed nodes accepted, %d searches skipped; branch roots' "
-            "chances x %.2f",
+            "chances x %.2f; recent steps predicted within %.1f%% (bias %+.1f%%)",
             a, b, c, d, e, f, g, h, stats.chosen_nodes, stats.candidate_nodes, stats.steps, stats.drafted_steps,
             stats.probe_steps, stats.accepted_nodes, stats.observed_nodes, stats.skipped_rows, self.branches.factor,
+            100 * self.cost.error.mean_absolute, 100 * self.cost.error.bias,
         )
 
     def chance_table(self) -> ChanceTable:

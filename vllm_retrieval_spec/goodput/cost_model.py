@@ -25,10 +25,25 @@ full, outweighed every decode step (at 32 in flight on long prompts the fit afte
 put ``b`` at 23 ms and ``c`` at 0, and the chooser verified 528 draft tokens in one 4-second step).
 Steps far slower than predicted (an idle engine waiting for requests) are not learned from. On tensor-parallel
 engines the step times are the first rank's (``clock``, ``ranks.py``).
+
+Two time scales: the curve's shape (the terms above) is fitted over a long window (``forgetting`` 0.998,
+~500 steps), and a scale follows the ratio of the last ~10 decode steps' times to what the shape
+predicted for them (``scale_forgetting``); the model predicts their product. A CPU engine's steps speed
+up and slow down together by tens of percent within a minute (contexts growing, the machine's other
+work, an engine resuming after another ran), which a single fit forgetting at 0.99 followed by
+bending its terms: over the logged steps of three engines at 8 in flight on multi_turn, its
+draft-token cost relative to a step swung by 31% (10th to 90th percentile) and it predicted the
+next decode step within 12.9% on average; shape and scale swung by 22% and predicted within 9.3%
+(on chat HumanEval: 10.2% and +4.8% bias against 7.7% and +0.7%; ``benchmarks/cost_model_replay.py``,
+results README of 2026-11-30 noon). The scale only moves all terms together,
+never the level of one: a base the shape has not yet learned is not hidden by it. How far each
+prediction was from the step it then learned from (:class:`PredictionError`, steps without prompt
+tokens: the ones the chooser prices) shows whether the curve the budget drafts by is the engine's.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,9 +78,44 @@ def tree_work(recomputed_nodes: np.ndarray | float, context_tokens: np.ndarray |
 
 
 WARM_UP_STEPS = 8
+# The scale's forgetting: it follows the last ~10 decode steps' time over what the shape predicted.
+SCALE_FORGETTING = 0.9
+STEP_LOG_STEPS = 100_000  # the most steps a kept step log holds (keep_step_log)
 # Past the warm-up the fit follows the sums this many steps behind at most: a solve every step
 # cost ~0.08 ms of a 25 ms step on the CPU engine.
 SOLVE_EVERY_STEPS = 4
+
+
+@dataclass
+class PredictionError:
+    """The model's one-step-ahead error on the steps it learned from, relative to each step's time
+    and decayed like the shape's fit: how far off the curve the chooser reads was, recently."""
+
+    steps: int = 0
+    _weight: float = field(default=0.0, repr=False)
+    _absolute: float = field(default=0.0, repr=False)  # decayed sum of |predicted - measured| / measured
+    _signed: float = field(default=0.0, repr=False)  # decayed sum of (predicted - measured) / measured
+
+    def add(self, predicted: float, seconds: float, forgetting: float) -> None:
+        relative = (predicted - seconds) / seconds
+        self._weight = forgetting * self._weight + 1.0
+        self._absolute = forgetting * self._absolute + abs(relative)
+        self._signed = forgetting * self._signed + relative
+        self.steps += 1
+
+    @property
+    def mean_absolute(self) -> float:
+        """The recent steps' mean |predicted − measured| ÷ measured (0 before any)."""
+        return self._absolute / self._weight if self._weight else 0.0
+
+    @property
+    def bias(self) -> float:
+        """The recent steps' mean (predicted − measured) ÷ measured: above 0 the model prices
+        steps dearer than they run."""
+        return self._signed / self._weight if self._weight else 0.0
+
+    def report(self) -> dict[str, float | int]:
+        return {"mean_absolute": self.mean_absolute, "bias": self.bias, "steps": self.steps}
 
 
 @dataclass
@@ -73,15 +123,20 @@ class StepCostModel:
     """Ridge-regularised, exponentially forgetting least squares of step time."""
 
     prior: tuple[float, ...] = PRIORS["cpu"]
-    forgetting: float = 0.99
+    forgetting: float = 0.998  # the shape's
+    scale_forgetting: float = SCALE_FORGETTING  # 0: no scale (one fit, the model before 2026-11-30)
     prior_steps: float = 4.0
     kernel_rows: int = 0  # R: the most tokens a step runs the CPU's skinny GEMM on (0: no such bound)
     steps: int = 0
     rejected: int = 0
     clock: SharedClock | None = field(default=None, repr=False)  # None: this process's step times
+    error: PredictionError = field(default_factory=PredictionError)  # of the decode and verification steps
+    step_log: deque | None = field(default=None, repr=False)  # the steps observed, once keep_step_log asked
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES)), repr=False)
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(FEATURES), repr=False)
-    _theta: np.ndarray | None = field(default=None, repr=False)
+    _shape: np.ndarray | None = field(default=None, repr=False)
+    _ratio_sum: float = field(default=0.0, repr=False)  # decayed sum of measured ÷ shape-predicted seconds
+    _ratio_weight: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.prior) != FEATURES:
@@ -94,12 +149,28 @@ class StepCostModel:
     def for_device(cls, device_type: str, clock: SharedClock | None = None, kernel_rows: int = 0) -> StepCostModel:
         return cls(prior=PRIORS.get(device_type, PRIORS["cuda"]), clock=clock, kernel_rows=kernel_rows)
 
+    def keep_step_log(self, max_steps: int = STEP_LOG_STEPS) -> None:
+        """Keep the steps observed from now on (what :meth:`observe` is given, the last
+        ``max_steps``), for benchmarks that replay them through other cost models."""
+        self.step_log = deque(maxlen=max_steps)
+
     @property
     def coefficients(self) -> np.ndarray:
-        """``(a, b, c, d, e, f, g, h)`` in seconds, each at least zero (``COST_TERMS``)."""
-        if self._theta is None:
-            self._theta = self._solve()
-        return self._theta
+        """``(a, b, c, d, e, f, g, h)`` in seconds, each at least zero (``COST_TERMS``): the
+        shape's terms times the scale."""
+        return self.scale * self.shape
+
+    @property
+    def shape(self) -> np.ndarray:
+        """The terms fitted over the long window, before the scale."""
+        if self._shape is None:
+            self._shape = self._solve()
+        return self._shape
+
+    @property
+    def scale(self) -> float:
+        """How much slower (above 1) or faster the recent decode steps ran than the shape predicted."""
+        return self._ratio_sum / self._ratio_weight if self._ratio_weight else 1.0
 
     @property
     def per_token(self) -> float:
@@ -154,22 +225,30 @@ class StepCostModel:
         """Learn from one step; False when it was rejected as an outlier."""
         if self.clock is not None:
             seconds = self.clock.shared(seconds)
+        if self.step_log is not None:
+            self.step_log.append((seconds, num_reqs, num_tokens, tree_work, sampled, prefill_tokens))
         if num_reqs <= 0 or seconds <= 0:
             return False
         prefill_tokens = min(max(prefill_tokens, 0), max(num_tokens - num_reqs, 0))
         drafts = max(num_tokens - num_reqs - prefill_tokens, 0)
         x = np.array([1.0, num_reqs, drafts, tree_work, sampled, float(tree_work > 0), prefill_tokens,
                       float(self.past_kernel_rows(num_tokens))])
-        predicted = float(self.coefficients @ x)
+        by_shape = float(self.shape @ x)
+        predicted = self.scale * by_shape
         if self.steps >= WARM_UP_STEPS and seconds > OUTLIER_FACTOR * predicted:
             self.rejected += 1
             return False
+        if self.steps >= WARM_UP_STEPS and prefill_tokens == 0 and by_shape > 0.0:
+            self.error.add(predicted, seconds, self.forgetting)
+            if self.scale_forgetting > 0.0:
+                self._ratio_sum = self.scale_forgetting * self._ratio_sum + seconds / by_shape
+                self._ratio_weight = self.scale_forgetting * self._ratio_weight + 1.0
         weight = self._weight(x, predicted)
         self._xx = self.forgetting * self._xx + weight * np.outer(x, x)
         self._xy = self.forgetting * self._xy + weight * x * seconds
         self.steps += 1
         if self.steps <= WARM_UP_STEPS or self.steps % SOLVE_EVERY_STEPS == 0:
-            self._theta = None
+            self._shape = None
         return True
 
     def _weight(self, x: np.ndarray, predicted: float) -> float:

@@ -113,6 +113,7 @@ class Families:
     counters: dict[str, Counter]
     drafting_seconds: Histogram
     step_cost_seconds: Gauge
+    step_cost_error: Gauge
     failing_steps: Gauge
 
 
@@ -128,10 +129,14 @@ def families() -> Families:
                  "step, per request, per draft token, per thousand tree-attention node-context pairs, per sampled "
                  "draft token and per tree step (label term).", [*LABELS, "term"],
                  multiprocess_mode="mostrecent")
+    cost_error = Gauge(PREFIX + "budget_step_cost_error", "How far the learned step cost was from the recent decode "
+                       "and verification steps, relative to their time: mean absolute error, and bias (above 0: "
+                       "steps priced dearer than they ran) (label measure).", [*LABELS, "measure"],
+                       multiprocess_mode="mostrecent")
     failing = Gauge(PREFIX + "consecutive_drafting_failures", "Steps in a row whose drafting failed (0 once a "
                     "step drafts again); above 0 for long, the server runs without speculation.", LABELS,
                     multiprocess_mode="mostrecent")
-    return Families(counters, drafting, cost, failing)
+    return Families(counters, drafting, cost, cost_error, failing)
 
 
 class RunnerMetrics:
@@ -147,6 +152,8 @@ class RunnerMetrics:
         metrics = families()
         self._drafting_seconds = metrics.drafting_seconds.labels(*labels)
         self._step_cost = [metrics.step_cost_seconds.labels(*labels, term) for term in COST_TERMS]
+        self._step_cost_error = {measure: metrics.step_cost_error.labels(*labels, measure)
+                                 for measure in ("mean_absolute", "bias")}
         self._failing_steps = metrics.failing_steps.labels(*labels)
         counts = self.counts()
         for spec in COUNTERS:  # plain counters show from the start, at zero
@@ -183,6 +190,8 @@ class RunnerMetrics:
         if budget is not None:
             for gauge, seconds in zip(self._step_cost, budget.cost.coefficients.tolist()):
                 gauge.set(seconds)
+            self._step_cost_error["mean_absolute"].set(budget.cost.error.mean_absolute)
+            self._step_cost_error["bias"].set(budget.cost.error.bias)
 
     def _grow(self, name: str, label_values: tuple[str, ...], total: int) -> None:
         key = (name, *label_values)
