@@ -32,11 +32,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SETTLING_STEPS = 50  # steps before the first prediction counted
 # name: StepCostModel settings ({}: the model the engines run).
 VARIANTS: dict[str, dict] = {
-    "one fit, forgetting 0.99 (before 2026-11-30)": {"forgetting": 0.99, "scale_forgetting": 0.0},
+    "one fit, forgetting 0.99 (before 2026-11-30)": {"scale_forgetting": 0.0},
     "one fit, forgetting 0.998": {"forgetting": 0.998, "scale_forgetting": 0.0},
-    "shape 0.99, scale 0.9": {"forgetting": 0.99},
-    "shape 0.998, scale 0.95": {"scale_forgetting": 0.95},
-    "shape 0.998, scale 0.9 (default)": {},
+    "shape 0.998, scale 0.9": {"forgetting": 0.998},
+    "shape 0.99, scale 0.95": {"scale_forgetting": 0.95},
+    "shape 0.99, scale 0.9 (default)": {},
 }
 
 

@@ -26,19 +26,22 @@ put ``b`` at 23 ms and ``c`` at 0, and the chooser verified 528 draft tokens in 
 Steps far slower than predicted (an idle engine waiting for requests) are not learned from. On tensor-parallel
 engines the step times are the first rank's (``clock``, ``ranks.py``).
 
-Two time scales: the curve's shape (the terms above) is fitted over a long window (``forgetting`` 0.998,
-~500 steps), and a scale follows the ratio of the last ~10 decode steps' times to what the shape
-predicted for them (``scale_forgetting``); the model predicts their product. A CPU engine's steps speed
-up and slow down together by tens of percent within a minute (contexts growing, the machine's other
-work, an engine resuming after another ran), which a single fit forgetting at 0.99 followed by
-bending its terms: over the logged steps of three engines at 8 in flight on multi_turn, its
-draft-token cost relative to a step swung by 31% (10th to 90th percentile) and it predicted the
-next decode step within 12.9% on average; shape and scale swung by 22% and predicted within 9.3%
-(on chat HumanEval: 10.2% and +4.8% bias against 7.7% and +0.7%; ``benchmarks/cost_model_replay.py``,
-results README of 2026-11-30 noon). The scale only moves all terms together,
-never the level of one: a base the shape has not yet learned is not hidden by it. How far each
-prediction was from the step it then learned from (:class:`PredictionError`, steps without prompt
-tokens: the ones the chooser prices) shows whether the curve the budget drafts by is the engine's.
+Two time scales: the curve's shape (the terms above, the fit ``forgetting`` at 0.99, ~100 steps) is
+multiplied by a scale that follows the ratio of the last ~10 decode steps' times to what the shape
+predicted for them (``scale_forgetting``). A CPU engine's steps speed up and slow down together by
+tens of percent within a minute (contexts growing, the machine's other work, an engine resuming
+after another ran), which the fit alone followed late and by bending its terms: replayed on the
+logged steps of three engines at 8 in flight on multi_turn it predicted the next decode step within
+12.9% on average, with the scale within 9.2%; on chat HumanEval 10.2% (priced +4.8% dearer than the
+steps ran) against 7.6% (+0.7%), on code_edit at 8 in flight 12.7–15.0% against 9.0–9.5%
+(``benchmarks/cost_model_replay.py``, results README of 2026-11-30 noon). The scale moves every term
+together, never the level of one (a base the shape has not yet learned is not hidden by it), so
+what the chooser trades, one term against another, is the fit's: in one run beside the model
+before, it served as that did (1.00×, 0.97–1.03). A shape over ~500 steps (``forgetting`` 0.998)
+kept its terms steadier in most logs but served no faster in three A/B runs than the engines' own
+step times differed. How far each prediction was from the step it then learned from
+(:class:`PredictionError`, steps without prompt tokens: the ones the chooser prices) shows whether
+the curve the budget drafts by is the engine's.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class StepCostModel:
     """Ridge-regularised, exponentially forgetting least squares of step time."""
 
     prior: tuple[float, ...] = PRIORS["cpu"]
-    forgetting: float = 0.998  # the shape's
+    forgetting: float = 0.99  # the shape's
     scale_forgetting: float = SCALE_FORGETTING  # 0: no scale (one fit, the model before 2026-11-30)
     prior_steps: float = 4.0
     kernel_rows: int = 0  # R: the most tokens a step runs the CPU's skinny GEMM on (0: no such bound)
