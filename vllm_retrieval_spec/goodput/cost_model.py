@@ -165,7 +165,7 @@ class StepCostModel:
 
     @property
     def shape(self) -> np.ndarray:
-        """The terms fitted over the long window, before the scale."""
+        """The terms as fitted (``forgetting``), before the scale."""
         if self._shape is None:
             self._shape = self._solve()
         return self._shape
