@@ -190,8 +190,9 @@ class RunnerMetrics:
         if budget is not None:
             for gauge, seconds in zip(self._step_cost, budget.cost.coefficients.tolist()):
                 gauge.set(seconds)
-            self._step_cost_error["mean_absolute"].set(budget.cost.error.mean_absolute)
-            self._step_cost_error["bias"].set(budget.cost.error.bias)
+            error = budget.cost.error.report()
+            for measure, gauge in self._step_cost_error.items():
+                gauge.set(error[measure])
 
     def _grow(self, name: str, label_values: tuple[str, ...], total: int) -> None:
         key = (name, *label_values)
