@@ -354,6 +354,8 @@ def parse_args() -> argparse.Namespace:
                              "measured), which decides whether the first step drafts")
     parser.add_argument("--same-states", action="store_true",
                         help="instead: REST against suffix at the same decoding states, one request at a time")
+    parser.add_argument("--datastore", default=RetrievalSpecOptions().datastore,
+                        help="REST's datastore: recipe name or directory (default: the serving default)")
     parser.add_argument("--tag", default="")
     return parser.parse_args()
 
@@ -361,6 +363,12 @@ def parse_args() -> argparse.Namespace:
 def workload_tokens(workload: str) -> int:
     """New tokens per request in the replay of ``workload``."""
     return 128 if workload in ("code_edit", "multi_turn") else 64
+
+
+def run_fields(args: argparse.Namespace) -> dict:
+    """What every report of this script records of its run."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "datastore": args.datastore, "prompts": args.prompts,
+            "k": args.k}
 
 
 def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
@@ -375,7 +383,7 @@ def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
         print_same_states(workload, tally)
         report.append({"workload": workload, **tally.row()})
     out = RESULTS / f"budget_replay_same_states{'_' + args.tag if args.tag else ''}.json"
-    out.write_text(json.dumps({"prompts": args.prompts, "k": args.k, "results": report}, indent=2) + "\n")
+    out.write_text(json.dumps({**run_fields(args), "results": report}, indent=2) + "\n")
     print(f"written: {out}", file=sys.stderr)
 
 
@@ -383,7 +391,7 @@ def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     model = ensure_smollm2_checkpoint()
-    store, _ = open_datastore_for_model(RetrievalSpecOptions().datastore, model)
+    store, _ = open_datastore_for_model(args.datastore, model)
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.same_states:
         report_same_states(model, store, args)
@@ -409,8 +417,8 @@ def main() -> None:
                       f"{row['acceptance_rate']:7.1%} {row['drafting_ms_per_step']:9.2f} "
                       f"{row['simulated_tokens_per_second']:7.1f} {row['speedup_vs_suffix']:8.2f}x")
         out = RESULTS / f"budget_replay_c{concurrency}{'_' + args.tag if args.tag else ''}.json"
-        out.write_text(json.dumps({"concurrency": concurrency, "cost_seconds": cost, "prompts": args.prompts,
-                                   "k": args.k, "prior_strengths": args.prior_strengths,
+        out.write_text(json.dumps({**run_fields(args), "concurrency": concurrency, "cost_seconds": cost,
+                                   "prior_strengths": args.prior_strengths,
                                    "first_draft_ms": args.first_draft_ms, "results": report},
                                   indent=2) + "\n")
         print(f"written: {out}", file=sys.stderr)
