@@ -274,10 +274,17 @@ class SameStates:
             else:
                 self.behind_candidates += suffix - kept
 
+    @property
+    def best_of_both(self) -> int:
+        """Tokens accepted by whichever of REST's kept draft and ``suffix``'s accepts more at each step."""
+        return self.rest_kept + self.behind_not_drafted + self.behind_cut + self.behind_candidates
+
     def row(self) -> dict:
         per_step = {name: getattr(self, name) / max(self.steps, 1)
-                    for name in ("rest_kept", "rest_candidates", "suffix", "rest_drafted", "suffix_drafted")}
-        return {**vars(self), **{f"{name}_per_step": value for name, value in per_step.items()}}
+                    for name in ("rest_kept", "rest_candidates", "suffix", "best_of_both", "rest_drafted",
+                                 "suffix_drafted")}
+        return {**vars(self), "best_of_both": self.best_of_both,
+                **{f"{name}_per_step": value for name, value in per_step.items()}}
 
 
 def candidate_chain(drafter: RestDrafter, row: int) -> list[int]:
@@ -312,7 +319,8 @@ def print_same_states(workload: str, tally: SameStates) -> None:
     """One workload's row of the ``--same-states`` table."""
     row = tally.row()
     print(f"{workload:15s} {row['rest_kept_per_step']:10.2f} {row['rest_candidates_per_step']:11.2f} "
-          f"{row['suffix_per_step']:8.2f} {row['rest_drafted_per_step']:9.2f} {row['suffix_drafted_per_step']:9.2f} "
+          f"{row['suffix_per_step']:8.2f} {row['best_of_both_per_step']:9.2f} {row['rest_drafted_per_step']:9.2f} "
+          f"{row['suffix_drafted_per_step']:9.2f} "
           f"{tally.rest_ahead_steps:5d}/{tally.rest_ahead_tokens:<5d} {tally.suffix_ahead_steps:5d}/"
           f"{tally.behind_not_drafted + tally.behind_cut + tally.behind_candidates:<5d} "
           f"{tally.behind_not_drafted:9d} {tally.behind_cut:5d} {tally.behind_candidates:6d}")
@@ -374,7 +382,8 @@ def run_fields(args: argparse.Namespace) -> dict:
 def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
     """``--same-states``: the table and ``results/budget_replay_same_states[_<tag>].json``."""
     print("REST (budget auto) against suffix at REST's decoding states, 1 in flight: accepted tokens per step")
-    print(f"{'workload':15s} {'REST kept':>10s} {'REST chain':>11s} {'suffix':>8s} {'REST drft':>9s} {'sfx drft':>9s} "
+    print(f"{'workload':15s} {'REST kept':>10s} {'REST chain':>11s} {'suffix':>8s} {'best of 2':>9s} {'REST drft':>9s} "
+          f"{'sfx drft':>9s} "
           f"{'ahead':>11s} {'behind':>11s} {'undrafted':>9s} {'cut':>5s} {'wrong':>6s}")
     report = []
     for workload in args.workloads:

@@ -80,3 +80,16 @@ def test_cost_model_replay_predicts_a_linear_engine_with_every_setting(tmp_path)
         row = module.replay(logged, kernel_rows, **settings)
         assert row["predicted_steps"] == len(steps) - module.SETTLING_STEPS
         assert row["mean_absolute_error"] < 0.02 and row["relative_draft_cost_spread"] < 0.1
+
+
+def test_same_states_tally_takes_the_better_draft_of_each_step_for_the_best_of_both(replay):
+    """``--same-states``: REST ahead on one step (3 against 1), ``suffix`` ahead on two (by 2 where
+    REST's candidate chain went wrong, by 1 where REST drafted nothing): the better of the two
+    accepts 3 + 2 + 1 tokens over the three steps."""
+    tally = replay.SameStates()
+    tally.add(kept=3, drafted=4, candidate=3, suffix=1, suffix_drafted=2)
+    tally.add(kept=0, drafted=2, candidate=1, suffix=2, suffix_drafted=3)
+    tally.add(kept=0, drafted=0, candidate=0, suffix=1, suffix_drafted=1)
+    row = tally.row()
+    assert (tally.rest_ahead_tokens, tally.behind_candidates, tally.behind_not_drafted) == (2, 2, 1)
+    assert row["best_of_both"] == 6 and row["best_of_both_per_step"] == pytest.approx(2.0)
