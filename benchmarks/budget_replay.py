@@ -17,6 +17,7 @@ confirm a change on the engine (a first-token-only request factor won here and l
     python benchmarks/budget_replay.py --workloads code_edit humaneval_chat --concurrency 1 8
     python benchmarks/budget_replay.py --prior-strengths 2 8 --tag strength   # REST once per prior strength
     python benchmarks/budget_replay.py --same-states   # REST's drafts against suffix's from the same states
+    python benchmarks/budget_replay.py --concurrency 1 --datastore STORE_DIR   # REST on another datastore
     python benchmarks/budget_replay.py --workloads multi_turn --concurrency 8 --first-draft-ms 0.5 50
         # REST once per drafting time its budget sees at the first step (whether the first step drafts)
 
