@@ -459,14 +459,14 @@ def drafting_ms_per_step(budget: dict | None) -> float | None:
     return budget["stats"]["drafting_seconds"] / budget["stats"]["steps"] * 1e3
 
 
-def budget_of(llm):
-    """``llm``'s goodput budget (None: not our proposer, or budget fixed)."""
-    return getattr(getattr(drafter_of(llm), "session", None), "budget", None)
+def budget_of(drafter):
+    """``drafter``'s goodput budget (None: not our proposer, or budget fixed)."""
+    return getattr(getattr(drafter, "session", None), "budget", None)
 
 
 def keep_step_log(llm, args: argparse.Namespace) -> None:
     """With ``--step-log``: ``llm``'s cost model keeps the steps it observes, for the report."""
-    budget = budget_of(llm)
+    budget = budget_of(drafter_of(llm))
     if args.step_log and budget is not None:
         budget.cost.keep_step_log()
 
@@ -474,10 +474,11 @@ def keep_step_log(llm, args: argparse.Namespace) -> None:
 def budget_report(llm, concurrency: int) -> dict | None:
     """The goodput budget's counters, calibration buckets and learned cost curve (budget auto),
     and the steps its cost model observed if it kept them (``--step-log``)."""
-    budget = budget_of(llm)
+    drafter = drafter_of(llm)
+    budget = budget_of(drafter)
     if budget is None:
         return None
-    gate = getattr(drafter_of(llm), "gate", None)  # Hybrid's search gate
+    gate = getattr(drafter, "gate", None)  # Hybrid's search gate
     cost = budget.cost
     return {
         "stats": vars(budget.stats),

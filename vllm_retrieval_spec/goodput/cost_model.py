@@ -197,8 +197,8 @@ class StepCostModel:
     def idle_seconds(self, num_reqs: int) -> float:
         """Seconds of a step of ``num_reqs`` requests without drafts (``predict(num_reqs,
         num_reqs)``, in scalars)."""
-        a, b = self.coefficients[:2].tolist()
-        return a + b * num_reqs + float(self.coefficients[7]) * bool(self.past_kernel_rows(num_reqs))
+        a, b, *_, h = self.coefficients.tolist()
+        return a + b * num_reqs + h * bool(self.past_kernel_rows(num_reqs))
 
     def past_kernel_rows(self, num_tokens: np.ndarray | float) -> np.ndarray:
         """Whether a step of ``num_tokens`` tokens is too large for the skinny GEMM."""
