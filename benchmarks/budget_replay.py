@@ -40,6 +40,7 @@ configure_vllm_environment(in_process=True)
 
 import numpy as np  # noqa: E402
 
+from vllm_retrieval_spec.datastores.format import DatastoreError  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.resolve import open_datastore_for_model  # noqa: E402
@@ -401,7 +402,10 @@ def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     model = ensure_smollm2_checkpoint()
-    store, _ = open_datastore_for_model(args.datastore, model)
+    try:
+        store, _ = open_datastore_for_model(args.datastore, model)
+    except DatastoreError as error:
+        sys.exit(f"--datastore: {error}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.same_states:
         report_same_states(model, store, args)
