@@ -182,6 +182,10 @@ CONFIGS: dict[str, dict] = {
     # before name it "rest_k32_step_attention", and "rest_k32_vllm_attention" the A/B partner with it off).
     "rest_k32_vllm_attention": _ours("RestProposer", 32, cpu_step_attention=False),
     "rest_k32_native_norms": _ours("RestProposer", 32, cpu_fused_norms=False),
+    # ... all three off: REST's drafts verified on vLLM's own CPU path, as `none` and `suffix` run (how much of the
+    # lead over them is the drafts and how much the plugin's kernels).
+    "rest_k32_vllm_kernels": _ours("RestProposer", 32, cpu_gemm_max_rows=0, cpu_step_attention=False,
+                                   cpu_fused_norms=False),
     "ngrammys_k8": _ours("NGrammysProposer", 8),
     # Tree verification: the node budget is num_speculative_tokens.
     **{f"rest_tree_k{k}": _ours("RestProposer", k, tree=True) for k in (8, 16, 32, 64)},
