@@ -172,6 +172,8 @@ CONFIGS: dict[str, dict] = {
     # The budget's margin on each kept node's cost (default 0.05).
     "rest_k32_margin0": _ours("RestProposer", 32, budget_margin=0.0),
     **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50, 100)},
+    # Chances from the calibration's buckets alone, without each token's factor (default on since 2026-11-30).
+    "rest_k32_no_token_factors": _ours("RestProposer", 32, budget_token_factors=False),
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).

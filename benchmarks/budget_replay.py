@@ -20,6 +20,7 @@ confirm a change on the engine (a first-token-only request factor won here and l
     python benchmarks/budget_replay.py --concurrency 1 --datastore STORE_DIR   # REST on another datastore
     python benchmarks/budget_replay.py --workloads multi_turn --concurrency 8 --first-draft-ms 0.5 50
         # REST once per drafting time its budget sees at the first step (whether the first step drafts)
+    python benchmarks/budget_replay.py --token-factors on off   # REST with and without tokens' factors
 
 Writes results/budget_replay_c<concurrency>[_<tag>].json (``--same-states``:
 results/budget_replay_same_states[_<tag>].json) and prints a table.
@@ -50,6 +51,7 @@ from vllm_retrieval_spec.evaluation.traces import cached_traces  # noqa: E402
 from vllm_retrieval_spec.goodput import GoodputBudget, StepCostModel  # noqa: E402
 from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration  # noqa: E402
 from vllm_retrieval_spec.goodput.cost_model import PRIORS  # noqa: E402
+from vllm_retrieval_spec.goodput.token_factor import TokenFactor  # noqa: E402
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve  # noqa: E402
 from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
@@ -178,12 +180,13 @@ class RestDrafter:
 
     def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float],
                  prior_strength: float = AcceptanceCalibration.prior_strength,
-                 first_draft_seconds: float | None = None) -> None:
+                 first_draft_seconds: float | None = None, token_factors: bool = True) -> None:
         options = RetrievalSpecOptions()
         self.store, self.params = store, RestParams.from_options(options, chain_len=k)
         prior = (*cost, *PRIORS["cpu"][3:])
         self.budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel(prior=prior),
-                                    calibration=AcceptanceCalibration(prior_strength=prior_strength))
+                                    calibration=AcceptanceCalibration(prior_strength=prior_strength),
+                                    tokens=TokenFactor(enabled=token_factors))
         self.output_index = OutputIndex(options.output_index_tokens, background=False)
         self.live = LiveIndex.from_options(options) if concurrency > 1 else None
         self.live_max_matches = options.live_max_matches
@@ -341,13 +344,14 @@ def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -
     return cached_traces(model, path, max_tokens, texts, workload)
 
 
-def rest_variants(args: argparse.Namespace) -> list[tuple[str, float, float | None]]:
-    """REST's replays: a name, a prior strength and the first step's drafting seconds (None: as
-    measured) for each combination asked."""
+def rest_variants(args: argparse.Namespace) -> list[tuple[str, float, float | None, bool]]:
+    """REST's replays: a name, a prior strength, the first step's drafting seconds (None: as
+    measured) and whether tokens' factors scale the chances, for each combination asked."""
     firsts = [None] if args.first_draft_ms is None else [ms / 1000 for ms in args.first_draft_ms]
     return [(f"rest_k{args.k}" + (f"_s{strength:g}" if len(args.prior_strengths) > 1 else "")
-             + ("" if first is None else f"_first{first * 1000:g}ms"), strength, first)
-            for strength in args.prior_strengths for first in firsts]
+             + ("" if first is None else f"_first{first * 1000:g}ms")
+             + ("" if factors == "on" else "_no_token_factors"), strength, first, factors == "on")
+            for strength in args.prior_strengths for first in firsts for factors in args.token_factors]
 
 
 def parse_args() -> argparse.Namespace:
@@ -362,6 +366,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--first-draft-ms", type=float, nargs="+", default=None,
                         help="REST once per drafting time (ms) its budget sees at the first step (default: as "
                              "measured), which decides whether the first step drafts")
+    parser.add_argument("--token-factors", nargs="+", choices=("on", "off"), default=["on"],
+                        help="REST once with each: tokens' factors scaling the budget's chances (option "
+                             "budget_token_factors) or not")
     parser.add_argument("--same-states", action="store_true",
                         help="instead: REST against suffix at the same decoding states, one request at a time")
     parser.add_argument("--datastore", default=RetrievalSpecOptions().datastore,
@@ -420,8 +427,8 @@ def main() -> None:
             traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
             suffix = lock_step(traces, concurrency, cost, SuffixDrafter()).row("suffix")
             rests = [lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost, strength,
-                                                                      first)).row(name)
-                     for name, strength, first in rest_variants(args)]
+                                                                      first, factors)).row(name)
+                     for name, strength, first, factors in rest_variants(args)]
             for row in (suffix, *rests):
                 row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]
                            / suffix["simulated_tokens_per_second"])
@@ -433,7 +440,8 @@ def main() -> None:
         out = RESULTS / f"budget_replay_c{concurrency}{'_' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps({**run_fields(args), "concurrency": concurrency, "cost_seconds": cost,
                                    "prior_strengths": args.prior_strengths,
-                                   "first_draft_ms": args.first_draft_ms, "results": report},
+                                   "first_draft_ms": args.first_draft_ms, "token_factors": args.token_factors,
+                                   "results": report},
                                   indent=2) + "\n")
         print(f"written: {out}", file=sys.stderr)
 

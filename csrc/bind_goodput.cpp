@@ -46,19 +46,21 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
     CpuArray<double, 1> first_observed, CpuArray<int32_t, 1> length_bucket, CpuArray<int32_t, 1> depth_bucket,
     double strength, double raw_prior_scale, double min_chance, double max_chance, double base, double per_request,
     double per_token, double per_sampled_token, int64_t kernel_rows, double past_kernel_rows, double draft_seconds,
-    double margin) {
+    double margin, std::optional<CpuArray<double, 2>> factor) {
   const size_t rows = prob.shape(0), width = prob.shape(1);
   if (source.shape(0) != rows || source.shape(1) != width || match_len.shape(0) != rows ||
       match_len.shape(1) != width)
     throw std::invalid_argument("prob, source and match_len must have one shape [rows, width]");
   if (size.shape(0) != rows || budgets.shape(0) != rows || (samples && samples->shape(0) != rows))
     throw std::invalid_argument("size, budgets and samples must have one entry per row");
+  if (factor && (factor->shape(0) != rows || factor->shape(1) != width))
+    throw std::invalid_argument("factor must have prob's shape [rows, width]");
   const vrs::ChainCalibration cal = chain_calibration(chances, accepted, observed, first_accepted, first_observed,
                                                       length_bucket, depth_bucket, strength, raw_prior_scale,
                                                       min_chance, max_chance);
   const vrs::ChainCandidates in{static_cast<int>(rows), static_cast<int>(width), prob.data(), source.data(),
                                 match_len.data(), size.data(), budgets.data(),
-                                samples ? samples->data() : nullptr, num_reqs};
+                                samples ? samples->data() : nullptr, factor ? factor->data() : nullptr, num_reqs};
   auto bucket = new_array<int64_t, 2>({rows, width}, 0);
   auto chance = new_array<double, 2>({rows, width}, 0.0);
   auto keep = new_array<bool, 2>({rows, width}, false);
@@ -94,10 +96,11 @@ void bind_goodput(nb::module_& m) {
         nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"), nb::arg("raw_prior_scale"),
         nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("base"), nb::arg("per_request"),
         nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("kernel_rows"), nb::arg("past_kernel_rows"),
-        nb::arg("draft_seconds"), nb::arg("margin"),
+        nb::arg("draft_seconds"), nb::arg("margin"), nb::arg("factor").none() = nb::none(),
         "The goodput budget's choice among chain drafts ([rows, width] candidates, node j's parent "
-        "node j - 1): returns new arrays bucket (int64), chance given the parent (float64, 0 past "
-        "a row's size) and keep (bool), the nodes of the best expected rate.");
+        "node j - 1; factor: each node's token factor on its chance in the path products, None: "
+        "none): returns new arrays bucket (int64), chance given the parent before the factor "
+        "(float64, 0 past a row's size) and keep (bool), the nodes of the best expected rate.");
   m.def("chain_outcomes", &chain_outcomes, nb::arg("tokens"), nb::arg("keep"), nb::arg("sampled"),
         "What verification made of each row's chain (tokens and kept nodes [rows, width]) given "
         "the tokens the target sampled for the row: new bool arrays accepted and observed.");

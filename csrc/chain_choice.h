@@ -5,7 +5,9 @@
 // calibration bucket (source flags, match-length bucket, depth bucket, raw-probability bucket)
 // and its calibrated chance given its parent: past depth 0 the calibration's table, at depth 0
 // its bucket's decaying counts smoothed towards the depth-0 counts of its match length over the
-// node's own halved raw guess. A node's path chance is the product along its chain. The nodes
+// node's own halved raw guess. A node's path chance is the product along its chain of these
+// chances, each times its token's factor (goodput/token_factor.py, when given) within the
+// chances' bound. The nodes
 // within their rows' budgets are ranked by path chance per second of verification, and the best
 // b are kept for the b of the highest expected rate (tokens over seconds, what drafting adds
 // counted 1 + margin times), none unless that rate beats a step without drafts.
@@ -60,12 +62,14 @@ struct ChainCandidates {
   const int32_t* size;       // [rows]: valid nodes per row
   const int32_t* budgets;    // [rows]: at most this many nodes per row
   const bool* samples;       // [rows]: the row's request samples (nullptr: none does)
+  const double* factor;      // [rows, width]: each node's token factor on its chance (nullptr: none)
   int num_reqs;              // requests in the step
 };
 
 class ChainChooser {
  public:
-  // Fills bucket, chance (given the parent; 0 past a row's size) and keep ([rows, width] each);
+  // Fills bucket, chance (given the parent, before the token factor; 0 past a row's size) and
+  // keep ([rows, width] each);
   // returns the number of nodes kept.
   int64_t choose(const ChainCandidates& in, const ChainCalibration& cal, const ChainStepCost& cost,
                  double draft_seconds, double margin, int64_t* bucket, double* chance, bool* keep) {
@@ -88,7 +92,7 @@ class ChainChooser {
         bucket[i] = bucket_of(cal, in.source[i], length, j, in.prob[i]);
         chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], length, in.prob[i]),
                              cal.max_chance);
-        path *= chance[i];
+        path *= in.factor != nullptr ? std::min(chance[i] * in.factor[i], cal.max_chance) : chance[i];
         if (j < within && path > 0.0) candidates_.push_back({-path / std::max(node_cost, 1e-12), i, path});
       }
     }

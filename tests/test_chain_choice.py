@@ -1,6 +1,6 @@
 """The chain kernels (``csrc/chain_choice.h``) against the NumPy path they replace for chains:
-calibration buckets and chances, path products and the chooser, and the outcomes read back from
-the sampled tokens, exactly."""
+calibration buckets and chances (with and without tokens' factors), path products and the
+chooser, and the outcomes read back from the sampled tokens, exactly."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chai
 
 def numpy_chain_choice(calibration: AcceptanceCalibration, cost: StepCostModel, nodes: DraftNodes,
                        budgets: np.ndarray, samples: np.ndarray | None, num_reqs: int, draft_seconds: float,
-                       margin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       margin: float, factor: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Buckets, chances given the parent and the kept nodes as the NumPy path computes them."""
     depth = node_depths(nodes.parents)
     bucket = calibration.buckets(nodes, depth)
     valid = np.arange(nodes.width)[None, :] < nodes.size[:, None]
     chance = np.where(valid, np.minimum(calibration.estimate(bucket, nodes.prob), MAX_CHANCE), 0.0)
-    candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs, None, samples)
+    scaled = chance if factor is None else np.minimum(chance * factor, MAX_CHANCE)
+    candidates = NodeCandidates(path_products(scaled, nodes.parents), budgets, num_reqs, None, samples)
     return bucket, chance, choose_nodes(candidates, cost, draft_seconds, margin).keep
 
 
@@ -59,22 +60,23 @@ def chain_steps(draw):
     )
     budgets = np.where(rng.random(rows) < 0.5, width, rng.integers(0, width + 1, rows)).astype(np.int32)
     samples = None if draw(st.booleans()) else rng.random(rows) < 0.5
+    factor = None if draw(st.booleans()) else rng.choice([1 / 8, 0.5, 1.0, 1.7, 2.0], (rows, width))
     cost = StepCostModel(prior=(0.02 * rng.random(), 0.002 * rng.random(), 0.002 * rng.random(), 0.001, 0.001 *
                                 rng.random(), 0.005, 0.0008, 0.02 * rng.random()),
                          kernel_rows=int(rng.choice([0, *rng.integers(1, rows + width + 2, 3)])))
     return (nodes, budgets, samples, rows + int(rng.integers(0, 3)), cost,
             trained_calibration(seed, int(rng.integers(0, 3000))), float(0.002 * rng.random()),
-            float(rng.choice([0.0, 0.05, 0.5])))
+            float(rng.choice([0.0, 0.05, 0.5])), factor)
 
 
 @settings(max_examples=200, deadline=None)
 @given(chain_steps())
 def test_kernel_equals_the_numpy_path(step):
-    nodes, budgets, samples, num_reqs, cost, calibration, draft_seconds, margin = step
+    nodes, budgets, samples, num_reqs, cost, calibration, draft_seconds, margin, factor = step
     bucket, chance, keep = choose_chain_nodes(nodes, budgets, samples, num_reqs, calibration.chain_calibration(),
-                                              cost.chain_terms(), draft_seconds, margin)
+                                              cost.chain_terms(), draft_seconds, margin, factor)
     want_bucket, want_chance, want_keep = numpy_chain_choice(calibration, cost, nodes, budgets, samples, num_reqs,
-                                                             draft_seconds, margin)
+                                                             draft_seconds, margin, factor)
     valid = np.arange(nodes.width)[None, :] < nodes.size[:, None]
     assert np.array_equal(keep, want_keep)
     assert np.array_equal(chance, want_chance)
@@ -111,13 +113,16 @@ def test_a_step_past_the_skinny_gemms_rows_pays_its_jump(past_kernel_rows, kept)
     assert keep[0].sum() == kept and keep[0, :kept].all(), chance
 
 
-def test_a_lookup_outside_the_table_is_refused():
+def test_a_lookup_outside_the_table_or_a_factor_of_another_shape_is_refused():
     calibration = AcceptanceCalibration().chain_calibration()
     broken = dataclasses.replace(calibration, depth_bucket=np.full(4, SHAPE[2], np.int32))
     nodes = DraftNodes(np.zeros((1, 2), np.int32), np.array([[-1, 0]], np.int32), np.array([2], np.int32),
                        np.ones((1, 2), np.float32), np.full((1, 2), 2, np.int8), np.ones((1, 2), np.int32))
     with pytest.raises(ValueError, match="depth_bucket entries must lie in"):
         choose_chain_nodes(nodes, np.array([2]), None, 1, broken, StepCostModel().chain_terms(), 0.0, 0.05)
+    with pytest.raises(ValueError, match="factor must have prob's shape"):
+        choose_chain_nodes(nodes, np.array([2]), None, 1, calibration, StepCostModel().chain_terms(), 0.0, 0.05,
+                           np.ones((1, 3)))
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,6 +21,7 @@ from vllm_retrieval_spec.goodput.budget import PROBE_EVERY, TREE_PATIENCE, TREE_
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
 from vllm_retrieval_spec.goodput.search_gate import MAX_PENDING, MAX_WAIT_STEPS, MIN_PAIRED_STEPS, SearchGate, StepWay
+from vllm_retrieval_spec.goodput.token_factor import TOKEN_FACTOR_RANGE, TokenFactor
 from vllm_retrieval_spec.verification.session import SpecSession
 
 CHAIN = np.broadcast_to(np.arange(-1, 7, dtype=np.int32), (4, 8))
@@ -554,7 +555,8 @@ def test_a_slow_search_must_pay_for_itself():
 def test_branch_roots_are_calibrated_apart_from_first_children():
     """A root's second child shares its bucket with the first but is accepted only when the
     first is not: its outcomes stay out of the bucket, whose estimate follows the first child
-    alone, and a branch factor learned from them keeps the sibling from being drafted."""
+    alone, and the branch factor and the sibling's token factor learned from them keep it from
+    being drafted."""
     rng = np.random.default_rng(0)
     budget = GoodputBudget(margin=0.05, cost=cost_model(0.02, 0.0, 0.006))
     tokens = np.array([[5, 9]], np.int32)
@@ -565,7 +567,8 @@ def test_branch_roots_are_calibrated_apart_from_first_children():
         assert keep[0, 0]
         budget.observe(["a"], [[5, 1] if rng.random() < 0.7 else [3]])
     assert not keep[0, 1]  # 0.7 x the branch factor no longer pays for its verification
-    assert budget.branches.factor < 0.7  # learned from siblings never accepted
+    # learned from siblings never accepted, by the branch factor and the sibling's token factor
+    assert budget.branches.factor * budget.tokens.factors(tokens[0, 1:])[0] < 0.7
     bucket = budget.calibration.buckets(nodes, node_depths(nodes.parents))
     assert budget.calibration.estimate(bucket, nodes.prob)[0, 0] == pytest.approx(0.7, abs=0.08)
 
@@ -762,3 +765,31 @@ def test_only_greedy_rows_that_kept_no_node_teach_their_first_node():
     budget.observe(["kept", "sampling", "unsent"], [[5, 6, 7], [5], [5]])
     assert (budget.stats.unsent_observed_nodes, budget.stats.unsent_accepted_nodes) == (1, 1)
     assert (budget.stats.observed_nodes, budget.stats.accepted_nodes) == (2, 2)
+
+
+def test_a_tokens_factor_follows_its_outcomes_within_bounds_and_decays_back():
+    factor = TokenFactor(decay_every=4)
+    tokens = np.array([3, 70_000])  # past the initial table: it grows
+    for _ in range(200):
+        factor.record(tokens, np.array([0.4, 0.5]), np.array([True, False]))
+    low, high = TOKEN_FACTOR_RANGE
+    np.testing.assert_allclose(factor.factors(np.array([[3, 70_000, 11, -1]])), [[high, low, 1.0, 1.0]])
+    for _ in range(4 * 20):
+        factor.tick()
+    np.testing.assert_allclose(factor.factors(np.array([3, 70_000])), 1.0, atol=0.01)
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_a_token_the_target_departs_at_stops_being_drafted_in_a_copy_that_otherwise_holds(trees):
+    """Two chains from the same bucket: one through a token the target never takes there, one
+    through tokens it always takes. The calibration's chance is the bucket's mix; the rejected
+    token's factor falls until it is no longer drafted, while the other chain keeps every node."""
+    budget = GoodputBudget(margin=0.05, cost=cost_model(0.02, 0.0, 0.004))
+    tokens = np.array([[5, 6, 99, 8], [5, 6, 7, 8]], np.int32)
+    nodes = DraftNodes(tokens, CHAIN[:2, :4].copy(), np.full(2, 4, np.int32), np.ones((2, 4), np.float32),
+                       np.full((2, 4), SOURCE_CONTEXT, np.int8), np.full((2, 4), 9, np.int32))
+    for _ in range(200):
+        keep = budget.choose(["bad", "good"], nodes, np.array([4, 4]), 2, 0.0, trees=trees)
+        budget.observe(["bad", "good"], [[5, 6, 1], [5, 6, 7, 8, 2]])
+    np.testing.assert_array_equal(keep, [[True, True, False, False], [True, True, True, True]])
+    assert budget.tokens.factors(np.array([99]))[0] < 1.0 < budget.tokens.factors(np.array([7]))[0]

@@ -33,6 +33,7 @@ from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 from vllm_retrieval_spec.goodput.paths import first_children, fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
 from vllm_retrieval_spec.goodput.search_gate import StepWay
+from vllm_retrieval_spec.goodput.token_factor import TokenFactor
 from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 
@@ -139,14 +140,16 @@ class PendingNodes:
 @dataclass
 class GoodputBudget:
     """Calibration, cost model and the chooser of one runner. Nodes are weighed by their
-    calibrated chances alone: a per-request factor (each request's recent accepted-over-predicted
-    ratio, up to 4x) cost 1-8% tokens/s in every interleaved A/B (results README, 2026-11-26
-    evening): selecting on a noisy factor kept nodes whose chances it had inflated."""
+    calibrated chances and their tokens' factors (:class:`TokenFactor`): a per-request factor
+    (each request's recent accepted-over-predicted ratio, up to 4x) cost 1-8% tokens/s in every
+    interleaved A/B (results README, 2026-11-26 evening): selecting on a noisy factor kept nodes
+    whose chances it had inflated."""
 
     margin: float = 0.05
     cost: StepCostModel = field(default_factory=StepCostModel)
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     branches: BranchFactor = field(default_factory=BranchFactor)
+    tokens: TokenFactor = field(default_factory=TokenFactor)
     stats: BudgetStats = field(default_factory=BudgetStats)
     search_seconds_per_row: float = 0.0  # drafting time per searched row (moving average)
     clock: SharedClock | None = field(default=None, repr=False)  # None: this process's drafting times
@@ -157,12 +160,13 @@ class GoodputBudget:
 
     @classmethod
     def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1,
-                   kernel_rows: int = 0) -> GoodputBudget:
+                   kernel_rows: int = 0, token_factors: bool = True) -> GoodputBudget:
         """One runner's budget: the device's cost prior, the most tokens a step runs the CPU's
-        skinny GEMM on (0: none) and, with more than one tensor-parallel rank, the first rank's
-        clock for step and drafting times."""
+        skinny GEMM on (0: none), whether tokens' factors scale the chances and, with more than
+        one tensor-parallel rank, the first rank's clock for step and drafting times."""
         clock = tensor_parallel_clock(tensor_parallel_size)
-        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock, kernel_rows), clock=clock)
+        return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock, kernel_rows), clock=clock,
+                   tokens=TokenFactor(enabled=token_factors))
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
         """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""
@@ -184,6 +188,7 @@ class GoodputBudget:
         roots = observed & pending.branch[present]
         counted = observed & ~roots
         self.calibration.observe(bucket[counted], chance[counted], accepted[counted])
+        self.tokens.record(pending.tokens[present][observed], chance[observed], accepted[observed])
         if roots.any():
             self.branches.record(float(chance[roots].sum()) / pending.branch_factor, float(accepted[roots].sum()))
         self.stats.observed_nodes += int(observed.sum())
@@ -210,8 +215,10 @@ class GoodputBudget:
         seen = first & (target >= 0) & (chance > 0)
         if not seen.any():
             return
-        hits = (pending.tokens[present][:, 0] == target)[seen]
+        tokens = pending.tokens[present][:, 0][seen]
+        hits = tokens == target[seen]
         self.calibration.observe(pending.bucket[present][:, 0][seen], chance[seen], hits)
+        self.tokens.record(tokens, chance[seen], hits)
         self.stats.unsent_observed_nodes += int(seen.sum())
         self.stats.unsent_accepted_nodes += int(hits.sum())
 
@@ -270,6 +277,7 @@ class GoodputBudget:
         if pending.chains:
             pending.unsent_first = _unsent_first_nodes(pending.tokens, pending.keep, samples)
         self.calibration.tick()
+        self.tokens.tick()
         self.stats.steps += 1
         self.stats.drafting_seconds += draft_seconds
         self.stats.candidate_nodes += int(np.minimum(nodes.size, nodes.width).sum())
@@ -314,7 +322,7 @@ class GoodputBudget:
         the arithmetic of :meth:`_choose_in_trees` without branches)."""
         bucket, chance, keep = choose_chain_nodes(nodes, budgets, samples, num_reqs,
                                                   self.calibration.chain_calibration(), self.cost.chain_terms(),
-                                                  draft_seconds, self.margin)
+                                                  draft_seconds, self.margin, self.tokens.factors(nodes.tokens))
         depth = np.broadcast_to(np.arange(nodes.width, dtype=np.int32), keep.shape)
         return PendingNodes(list(req_ids), nodes.tokens, nodes.parents, depth, bucket, chance, keep, nodes.source,
                             np.zeros(keep.shape, bool), 1.0, chains=True)
@@ -322,8 +330,8 @@ class GoodputBudget:
     def _choose_in_trees(self, req_ids: Sequence[str], nodes: DraftNodes, budgets: np.ndarray, num_reqs: int,
                          draft_seconds: float, samples: np.ndarray | None,
                          context_tokens: np.ndarray | None) -> PendingNodes:
-        """Trees: branch roots' chances scaled by the branch factor, and chains through first
-        children competing with the whole trees (:func:`choose_nodes`)."""
+        """Trees: branch roots' chances scaled by the branch factor, every node's by its token's,
+        and chains through first children competing with the whole trees (:func:`choose_nodes`)."""
         valid = np.arange(nodes.width)[None, :] < nodes.size[:, None]
         depth = node_depths(nodes.parents)
         bucket = self.calibration.buckets(nodes, depth)
@@ -333,7 +341,8 @@ class GoodputBudget:
         self.branches.tick()
         chance = self.calibration.estimate(bucket, nodes.prob)
         chance = np.where(valid, np.minimum(np.where(branch, chance * branch_factor, chance), MAX_CHANCE), 0.0)
-        candidates = NodeCandidates(path_products(chance, nodes.parents), budgets, num_reqs,
+        scaled = np.minimum(chance * self.tokens.factors(nodes.tokens), MAX_CHANCE)
+        candidates = NodeCandidates(path_products(scaled, nodes.parents), budgets, num_reqs,
                                     main_paths(nodes.parents, first_child), samples, context_tokens)
         choice = choose_nodes(candidates, self.cost, draft_seconds, self.margin)
         branched = bool((choice.keep & branch).any())

@@ -268,7 +268,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     budget = None
     if options.budget == "auto":
         budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks,
-                                          _skinny_gemm_rows(runner, options))
+                                          _skinny_gemm_rows(runner, options), options.budget_token_factors)
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)

@@ -3,13 +3,14 @@ made of them: the front end of ``csrc/chain_choice.h``.
 
 Per node of each row's chain: its calibration bucket, its calibrated chance given its parent
 (the table past depth 0; at depth 0 its bucket's counts over its match length's depth-0 counts
-and its own halved raw guess) and the product along the chain; then the nodes within their rows'
-budgets ranked by chance per second of verification, and the best prefix of that order for the
-highest expected rate, or none when it does not beat a step without drafts. The arithmetic is
-the NumPy path's, in the same order (``goodput/calibration.py`` ``buckets`` and ``estimate``,
-``goodput/paths.py`` ``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees
-still run and which the tests compare this kernel against; :func:`chain_outcomes` is
-``goodput/budget.py``'s ``_outcomes`` for chains.
+and its own halved raw guess) times its token's factor (``goodput/token_factor.py``) and the
+product along the chain; then the nodes within their rows' budgets ranked by chance per second
+of verification, and the best prefix of that order for the highest expected rate, or none when
+it does not beat a step without drafts. The arithmetic is the NumPy path's, in the same order
+(``goodput/calibration.py`` ``buckets`` and ``estimate``, ``goodput/paths.py``
+``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees still run and which
+the tests compare this kernel against; :func:`chain_outcomes` is ``goodput/budget.py``'s
+``_outcomes`` for chains.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ class ChainStepCost:
 
 
 def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarray | None, num_reqs: int,
-                       calibration: ChainCalibration, cost: ChainStepCost, draft_seconds: float,
-                       margin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       calibration: ChainCalibration, cost: ChainStepCost, draft_seconds: float, margin: float,
+                       factor: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For chain candidates ``nodes`` (node ``j``'s parent is node ``j - 1``), at most
-    ``budgets[i]`` nodes of row ``i``, ``samples`` the rows whose requests sample: each node's
-    bucket (int64), chance given its parent (float64, 0 past the row's size) and whether it is
-    kept (bool), ``[rows, N]`` each."""
+    ``budgets[i]`` nodes of row ``i``, ``samples`` the rows whose requests sample, ``factor``
+    each node's token factor on its chance in the path products (``[rows, N]``; None: none):
+    each node's bucket (int64), calibrated chance given its parent before the factor (float64,
+    0 past the row's size) and whether it is kept (bool), ``[rows, N]`` each."""
     return load_extension().choose_chain_nodes(
         np.ascontiguousarray(nodes.prob, np.float32), np.ascontiguousarray(nodes.source, np.int8),
         np.ascontiguousarray(nodes.match_len, np.int32), np.ascontiguousarray(nodes.size, np.int32),
@@ -73,6 +75,7 @@ def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarr
         calibration.first_observed, calibration.length_bucket, calibration.depth_bucket, calibration.strength,
         calibration.raw_prior_scale, calibration.min_chance, calibration.max_chance, cost.base, cost.per_request,
         cost.per_token, cost.per_sampled_token, cost.kernel_rows, cost.past_kernel_rows, draft_seconds, margin,
+        None if factor is None else np.ascontiguousarray(factor, np.float64),
     )
 
 
