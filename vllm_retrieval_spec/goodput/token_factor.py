@@ -63,6 +63,7 @@ class TokenFactor:
             self.accepted *= 0.5
 
     def _grow(self, size: int) -> None:
+        """Room for token ids below ``size`` (at least doubling, so growth is rare)."""
         if size > len(self.predicted):
             grown = max(size, 2 * len(self.predicted))
             self.predicted = np.concatenate((self.predicted, np.zeros(grown - len(self.predicted))))
