@@ -32,12 +32,14 @@ from vllm_retrieval_spec.datastores.format import DatastoreError
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import (
     CALIBRATION,
+    TOKEN_FACTORS,
     OutputSnapshotError,
-    read_calibration,
+    read_counts,
     read_snapshot,
 )
 from vllm_retrieval_spec.datastores.sharded import ShardedDatastore, open_datastore
 from vllm_retrieval_spec.goodput.calibration import AcceptanceCalibration
+from vllm_retrieval_spec.goodput.token_factor import TokenFactor
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 from vllm_retrieval_spec.ngrams import table as ngram_table
 from vllm_retrieval_spec.ngrams.drafts import MixedStrategy, mixed_drafts
@@ -47,6 +49,7 @@ from vllm_retrieval_spec.storage import MANIFEST, StorageError
 from vrs_artifacts import (
     CALIBRATION_COUNTS,
     TINY_TOKENIZER,
+    TOKEN_FACTOR_COUNTS,
     VOCAB,
     repetitive_documents,
     write_dense_store,
@@ -117,9 +120,11 @@ def draft_ngrams(table: NgramTable) -> None:
 def open_output_snapshot(directory: Path) -> list[np.ndarray]:
     sequences = read_snapshot(directory.parent, TINY_TOKENIZER)  # the newest snapshot: the only one
     assert sequences is not None
-    counts = read_calibration(directory.parent, CALIBRATION_COUNTS)  # None: a manifest that lists none
-    if counts is not None:
-        AcceptanceCalibration().restore_counts(counts)
+    for name, shape, learned in (("calibration", CALIBRATION_COUNTS, AcceptanceCalibration()),
+                                 ("token_factors", TOKEN_FACTOR_COUNTS, TokenFactor(vocab_size=VOCAB))):
+        counts = read_counts(directory.parent, name, shape)  # None: a manifest that lists none
+        if counts is not None:
+            learned.restore_counts(counts)
     return sequences
 
 
@@ -165,7 +170,8 @@ KINDS = {
                                               ngram_table.EXTENDED, ngram_table.UNIGRAM_RANKING)},
                                 False),
     "output-snapshot": ArtifactKind(write_output_snapshot, open_output_snapshot, draft_output_index,
-                                    OutputSnapshotError, {"tokens.bin": np.dtype(np.uint32), CALIBRATION: OPAQUE},
+                                    OutputSnapshotError,
+                                    {"tokens.bin": np.dtype(np.uint32), CALIBRATION: OPAQUE, TOKEN_FACTORS: OPAQUE},
                                     False),
 }
 

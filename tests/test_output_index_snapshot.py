@@ -1,7 +1,7 @@
 """Output index snapshots (``output_index_path``): round trip with identical searches, refusal
 of foreign and corrupt snapshots (serving goes on empty), kill -9 during saves, the size bound,
-periodic saves and the save at runner shutdown; the goodput calibration kept beside the index
-(round trip, refused counts relearned while the tokens serve on)."""
+periodic saves and the save at runner shutdown; the goodput calibration and tokens' factors
+kept beside the index (round trip, refused counts relearned while the tokens serve on)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,18 @@ from vllm_retrieval_spec.datastores.format import TokenizerIdentity
 from vllm_retrieval_spec.datastores.output_index import SEPARATOR, OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import (
     CALIBRATION,
+    TOKEN_FACTORS,
     TOKENS,
     OutputIndexSnapshots,
     OutputSnapshotError,
-    read_calibration,
+    read_counts,
     read_snapshot,
     snapshot_dirs,
 )
 from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
+from vllm_retrieval_spec.goodput.budget import GoodputBudget
 from vllm_retrieval_spec.goodput.calibration import SHAPE, AcceptanceCalibration
+from vllm_retrieval_spec.goodput.token_factor import TokenFactor
 from vllm_retrieval_spec.kernels.rest import RestParams, rest_retrieve
 
 VOCAB = 49_152  # SmolLM2's
@@ -279,14 +282,15 @@ def test_the_runner_keeps_its_engine_snapshot_and_saves_at_shutdown(model_dir, s
         model_config=SimpleNamespace(tokenizer=str(model_dir)),
         shutdown=lambda: calls.append("shutdown"),
     )
-    index, calibration = OutputIndex(4096, background=False), learned_calibration()
-    snapshots = keep_output_index(runner, options, index, calibration)
+    index, budget = OutputIndex(4096, background=False), learned_budget()
+    snapshots = keep_output_index(runner, options, index, budget.learned_counts())
     assert snapshots is runner.vrs_output_snapshots and snapshots.path == tmp_path / "snap.dp1"
     index.add(np.arange(7))
     runner.shutdown()
     assert calls == ["shutdown"] and snapshots.saves == 1
     assert [s.tolist() for s in read_snapshot(tmp_path / "snap.dp1", smollm2)] == [list(range(7))]
-    assert np.array_equal(read_calibration(tmp_path / "snap.dp1", (2, *SHAPE)), calibration.counts())
+    for name, learned in budget.learned_counts().items():
+        assert np.array_equal(read_counts(tmp_path / "snap.dp1", name, learned.counts().shape), learned.counts())
     assert keep_output_index(runner, RetrievalSpecOptions(), index) is None  # no path: not kept
 
 
@@ -301,20 +305,32 @@ def learned_calibration(seed: int = 0, nodes: int = 5_000) -> AcceptanceCalibrat
     return calibration
 
 
-def test_calibration_round_trips_beside_the_index(smollm2, tmp_path):
-    """A restarted server ranks drafts with the chances the one it replaced learned."""
-    index, calibration = filled_index(requests=20), learned_calibration()
-    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, calibration=calibration)
+def learned_budget(seed: int = 0, nodes: int = 5_000) -> GoodputBudget:
+    """A budget whose calibration and tokens' factors observed ``nodes`` outcomes."""
+    rng = np.random.default_rng(seed)
+    budget = GoodputBudget(calibration=learned_calibration(seed, nodes), tokens=TokenFactor(vocab_size=VOCAB))
+    tokens = rng.integers(0, VOCAB // 8, nodes)
+    budget.tokens.record(tokens, rng.random(nodes), rng.random(nodes) < (tokens % 3) / 2)
+    return budget
+
+
+def test_calibration_and_token_factors_round_trip_beside_the_index(smollm2, tmp_path):
+    """A restarted server ranks drafts with the chances and tokens' factors the one it replaced learned."""
+    index, budget = filled_index(requests=20), learned_budget()
+    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, learned=budget.learned_counts())
     snapshots.start()
     index.add(np.arange(50))
     snapshots.close()
 
-    restarted = AcceptanceCalibration()
+    restarted = GoodputBudget(tokens=TokenFactor(vocab_size=VOCAB))
     assert OutputIndexSnapshots(OutputIndex(50_000, background=False), tmp_path / "snap", smollm2, 3600,
-                                writes=False, calibration=restarted).start()
-    assert np.array_equal(restarted.counts(), calibration.counts())
-    assert np.array_equal(restarted.chance_table().chance, calibration.chance_table().chance)
-    assert restarted.chance_table().chance.std() > 0  # learned, not the prior
+                                writes=False, learned=restarted.learned_counts()).start()
+    assert np.array_equal(restarted.calibration.counts(), budget.calibration.counts())
+    assert np.array_equal(restarted.calibration.chance_table().chance, budget.calibration.chance_table().chance)
+    assert restarted.calibration.chance_table().chance.std() > 0  # learned, not the prior
+    tokens = np.arange(VOCAB)
+    assert np.array_equal(restarted.tokens.factors(tokens), budget.tokens.factors(tokens))
+    assert restarted.tokens.factors(tokens).std() > 0
 
 
 def test_a_snapshot_without_calibration_loads_its_tokens(smollm2, tmp_path):
@@ -323,7 +339,7 @@ def test_a_snapshot_without_calibration_loads_its_tokens(smollm2, tmp_path):
     calibration = AcceptanceCalibration()
     index = OutputIndex(50_000, background=False)
     assert OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, writes=False,
-                                calibration=calibration).start()
+                                learned={"calibration": calibration}).start()
     assert index.native is not None and not calibration.observed.any()
 
 
@@ -351,7 +367,7 @@ BAD_COUNTS = {
     "flipped byte": (_flip_a_calibration_byte, "sha256"),
     "not an array": (_save_counts(b"garbage"), "is corrupt"),
     "pickled objects": (_save_counts(np.array([None, {"a": 1}], dtype=object)), "is corrupt"),
-    "another layout": (_save_counts(np.zeros((2, 3))), "this version calibrates"),
+    "another layout": (_save_counts(np.zeros((2, 3))), "this server keeps"),
     "integers": (_save_counts(np.zeros((2, *SHAPE), np.int64)), "not float64"),
     "negative counts": (_save_counts(np.full((2, *SHAPE), -1.0)), "negative or non-finite"),
     "not finite": (_save_counts(np.full((2, *SHAPE), np.nan)), "negative or non-finite"),
@@ -362,12 +378,35 @@ BAD_COUNTS = {
 @pytest.mark.parametrize("damage", BAD_COUNTS)
 def test_refused_counts_are_relearned_and_the_tokens_serve_on(smollm2, tmp_path, caplog, damage):
     damage_counts, message = BAD_COUNTS[damage]
-    saved = filled_index(requests=20).save(tmp_path / "snap", smollm2, learned_calibration().counts())
+    saved = filled_index(requests=20).save(tmp_path / "snap", smollm2, {"calibration": learned_calibration().counts()})
     damage_counts(saved)
     index, calibration = OutputIndex(50_000, background=False), AcceptanceCalibration()
-    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, writes=False, calibration=calibration)
+    snapshots = OutputIndexSnapshots(index, tmp_path / "snap", smollm2, 3600, writes=False,
+                                     learned={"calibration": calibration})
     with caplog.at_level(logging.ERROR):
         assert snapshots.start() and index.native is not None
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and str(tmp_path / "snap") in errors[0] and message in errors[0], errors
     assert "the budget relearns them" in errors[0] and not calibration.observed.any()
+
+
+def test_token_factors_of_another_layout_are_relearned_and_the_calibration_restored(smollm2, tmp_path, caplog):
+    """Each learned array is checked on its own: one refused leaves the others restored."""
+    budget = learned_budget()
+    counts = {name: learned.counts() for name, learned in budget.learned_counts().items()}
+    counts["token_factors"] = counts["token_factors"][:, :VOCAB // 2]  # as a table of another size saves them
+    filled_index(requests=20).save(tmp_path / "snap", smollm2, counts)
+    restarted = GoodputBudget(tokens=TokenFactor(vocab_size=VOCAB))
+    snapshots = OutputIndexSnapshots(OutputIndex(50_000, background=False), tmp_path / "snap", smollm2, 3600,
+                                     writes=False, learned=restarted.learned_counts())
+    with caplog.at_level(logging.ERROR):
+        assert snapshots.start()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and TOKEN_FACTORS in errors[0] and "this server keeps" in errors[0], errors
+    assert np.array_equal(restarted.calibration.counts(), budget.calibration.counts())
+    assert not restarted.tokens.predicted.any()
+
+
+def test_a_budget_without_token_factors_saves_only_its_calibration():
+    budget = GoodputBudget(tokens=TokenFactor(enabled=False))
+    assert list(budget.learned_counts()) == ["calibration"]

@@ -39,6 +39,7 @@ VOCAB = 40
 TINY_MODEL = ModelIdentity("tiny", VOCAB, "c" * 64, "v" * 64)
 TINY_TOKENIZER = TokenizerIdentity("tiny", VOCAB, "v" * 64)
 CALIBRATION_COUNTS = (2, *CALIBRATION_BUCKETS)  # accepted and observed, as the budget saves them
+TOKEN_FACTOR_COUNTS = (2, VOCAB)  # accepted and predicted per token id, as the budget saves them
 
 
 def repetitive_documents(seed: int, count: int = 6, length: int = 60, vocab: int = VOCAB) -> list[np.ndarray]:
@@ -150,9 +151,10 @@ def write_ngram_table(directory: Path, k: int = 3, w: int = 4) -> Path:
 
 def write_output_snapshot(path: Path) -> Path:
     """An output index snapshot under ``path`` of a few finished requests, as a server saves it;
-    returns the snapshot's own directory (with calibration counts of the kind the budget saves)."""
+    returns the snapshot's own directory (with calibration counts and tokens' factors of the kind
+    the budget saves)."""
     from vllm_retrieval_spec.datastores.output_snapshot import write_snapshot
 
-    counts = np.arange(np.prod(CALIBRATION_COUNTS), dtype=np.float64).reshape(CALIBRATION_COUNTS)
-    return write_snapshot(path, repetitive_documents(seed=2), TINY_TOKENIZER, capacity_tokens=4096,
-                          calibration=counts)
+    counts = {name: np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+              for name, shape in (("calibration", CALIBRATION_COUNTS), ("token_factors", TOKEN_FACTOR_COUNTS))}
+    return write_snapshot(path, repetitive_documents(seed=2), TINY_TOKENIZER, capacity_tokens=4096, counts=counts)

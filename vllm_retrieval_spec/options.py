@@ -145,7 +145,7 @@ class RetrievalSpecOptions:
     )
     output_index_path: str = _option(
         "", _string,
-        "REST: directory where the output index and the budget's calibration are saved (every "
+        "REST: directory where the output index and the budget's calibration and tokens' factors are saved (every "
         "output_index_save_seconds and at shutdown: vllm-retrieval-spec serve adds --shutdown-timeout 30, plain "
         "vllm serve needs one > 0) and loaded from at start, so a restarted server keeps what it learned; "
         "data-parallel engine i > 0 uses "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,13 +93,14 @@ class OutputIndex:
         if kept:
             self._build(kept)
 
-    def save(self, path: str | Path, tokenizer: TokenizerIdentity, calibration: np.ndarray | None = None) -> Path:
-        """Save the kept sequences (and ``calibration`` counts when given) as a new snapshot
-        under ``path`` (atomically, at most ``capacity_tokens`` uint32 tokens); returns the
-        snapshot's directory."""
+    def save(self, path: str | Path, tokenizer: TokenizerIdentity,
+             counts: Mapping[str, np.ndarray] | None = None) -> Path:
+        """Save the kept sequences (and the budget's learned ``counts`` by name when given) as a
+        new snapshot under ``path`` (atomically, at most ``capacity_tokens`` uint32 tokens);
+        returns the snapshot's directory."""
         from vllm_retrieval_spec.datastores.output_snapshot import write_snapshot
 
-        return write_snapshot(Path(path), self.kept_sequences(), tokenizer, self.capacity_tokens, calibration)
+        return write_snapshot(Path(path), self.kept_sequences(), tokenizer, self.capacity_tokens, counts)
 
     def load(self, path: str | Path, tokenizer: TokenizerIdentity) -> bool:
         """Restore the newest snapshot under ``path``; True when one was loaded. None there yet

@@ -7,10 +7,10 @@ server starts with what the one it replaced learned.
 
 - ``tokens.bin``: the kept sequences, oldest first, each followed by ``SEPARATOR``, as raw
   little-endian ``uint32`` (memory-mapped read-only on load);
-- ``calibration.npy`` (when the server's goodput budget has one): its decaying acceptance counts,
-  so that a restarted server ranks and cuts drafts as surely as the one it replaced instead of
-  relearning them (a snapshot without it, or with counts of another layout, loads the tokens
-  alone);
+- ``calibration.npy`` and ``token_factors.npy`` (when the server's goodput budget has them):
+  its decaying acceptance counts and its tokens' predicted and accepted sums, so that a
+  restarted server ranks and cuts drafts as surely as the one it replaced instead of relearning
+  them (a snapshot without them, or with counts of another layout, loads the tokens alone);
 - ``manifest.json``: format version, token and sequence counts, the tokenizer's identity (as
   datastores record it), the size and sha256 of each file, and when it was saved.
 
@@ -31,7 +31,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 TOKENS = "tokens.bin"
 CALIBRATION = "calibration.npy"
+TOKEN_FACTORS = "token_factors.npy"
+COUNTS_FILES = {"calibration": CALIBRATION, "token_factors": TOKEN_FACTORS}  # learned counts, by name
 TOKEN_DTYPE = np.dtype("<u4")
 CALIBRATION_DTYPE = np.dtype("<f8")
 MAX_SNAPSHOT_TOKENS = 2**31 - 2  # the largest output_index_tokens
@@ -83,12 +85,13 @@ OUTPUT_SNAPSHOT = ArtifactKind(
     required={"num_tokens": int, "num_sequences": int, "separator": int, "tokenizer": dict, "files": dict,
               "saved": dict},
     dtypes={"token_dtype": ("uint32",)},
-    data_files=(TOKENS, CALIBRATION),
+    data_files=(TOKENS, *COUNTS_FILES.values()),
 )
 
 
 class SavedCounts(Protocol):
-    """Learned counts a snapshot keeps beside the index (the budget's acceptance calibration)."""
+    """Learned counts a snapshot keeps beside the index (the budget's acceptance calibration and
+    tokens' factors, named as in ``COUNTS_FILES``)."""
 
     def counts(self) -> np.ndarray:
         """A copy of the counts, as one float64 array."""
@@ -163,15 +166,16 @@ def next_snapshot(path: Path, kind: ArtifactKind) -> Iterator[Path]:
 
 
 def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: TokenizerIdentity,
-                   capacity_tokens: int, calibration: np.ndarray | None = None) -> Path:
-    """Save ``sequences`` (oldest first), and ``calibration`` counts when given, as the next
-    snapshot under ``path`` and delete the older ones once it is in place; returns its directory."""
+                   capacity_tokens: int, counts: Mapping[str, np.ndarray] | None = None) -> Path:
+    """Save ``sequences`` (oldest first), and learned ``counts`` by name (see ``COUNTS_FILES``)
+    when given, as the next snapshot under ``path`` and delete the older ones once it is in
+    place; returns its directory."""
     with next_snapshot(path, OUTPUT_SNAPSHOT) as building:
         num_tokens = _write_tokens(building / TOKENS, sequences)
         names = [TOKENS]
-        if calibration is not None:
-            _write_calibration(building / CALIBRATION, calibration)
-            names.append(CALIBRATION)
+        for name, array in (counts or {}).items():
+            _write_counts(building / COUNTS_FILES[name], array)
+            names.append(COUNTS_FILES[name])
         SnapshotManifest(
             format_version=FORMAT_VERSION, num_tokens=num_tokens, num_sequences=len(sequences),
             token_dtype="uint32", separator=int(SEPARATOR), tokenizer=tokenizer,
@@ -194,7 +198,7 @@ def _write_tokens(file: Path, sequences: Sequence[np.ndarray]) -> int:
     return sum(len(sequence) + 1 for sequence in sequences)
 
 
-def _write_calibration(file: Path, counts: np.ndarray) -> None:
+def _write_counts(file: Path, counts: np.ndarray) -> None:
     with open(file, "wb") as handle:
         np.save(handle, np.ascontiguousarray(counts, dtype=CALIBRATION_DTYPE), allow_pickle=False)
         handle.flush()
@@ -221,19 +225,20 @@ def read_snapshot(path: Path, tokenizer: TokenizerIdentity) -> list[np.ndarray] 
     return _split(directory / TOKENS, tokens, manifest)
 
 
-def read_calibration(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The calibration counts of the newest snapshot under ``path`` (None when it has none):
-    checked against their checksum, a float64 ``.npy`` of ``shape`` without objects, finite and
-    non-negative. ``OutputSnapshotError`` naming the file otherwise."""
+def read_counts(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The learned counts ``name`` (see ``COUNTS_FILES``) of the newest snapshot under ``path``
+    (None when it has none): checked against their checksum, a float64 ``.npy`` of ``shape``
+    without objects, finite and non-negative. ``OutputSnapshotError`` naming the file otherwise."""
     saved = snapshot_dirs(path)
     if not saved:
         return None
     directory = saved[-1]
     manifest = SnapshotManifest.read(directory)
-    if CALIBRATION not in manifest.files:
+    file_name = COUNTS_FILES[name]
+    if file_name not in manifest.files:
         return None
-    verify_file_records(directory, {CALIBRATION: manifest.files[CALIBRATION]}, OUTPUT_SNAPSHOT)
-    file = directory / CALIBRATION
+    verify_file_records(directory, {file_name: manifest.files[file_name]}, OUTPUT_SNAPSHOT)
+    file = directory / file_name
     try:
         counts = np.load(file, allow_pickle=False)
     except (OSError, ValueError) as error:
@@ -241,7 +246,7 @@ def read_calibration(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
     if counts.dtype != CALIBRATION_DTYPE:
         raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: counts of dtype {counts.dtype}, not float64")
     if counts.shape != tuple(shape):
-        raise OUTPUT_SNAPSHOT.fail(f"{file} holds counts of shape {counts.shape}, this version calibrates {shape}")
+        raise OUTPUT_SNAPSHOT.fail(f"{file} holds counts of shape {counts.shape}, this server keeps {shape}")
     if not np.isfinite(counts).all() or (counts < 0).any():
         raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: negative or non-finite counts")
     return counts
@@ -343,7 +348,7 @@ class PeriodicSaves(abc.ABC):
 
 
 class OutputIndexSnapshots(PeriodicSaves):
-    """An output index kept on disk, with the ``calibration`` counts when given: :meth:`start`
+    """An output index kept on disk, with the ``learned`` counts by name when given: :meth:`start`
     loads its snapshot (a refused one is logged and the index starts empty; refused counts are
     logged and relearned) and, when ``writes``, saves it from a daemon thread every
     ``interval_seconds`` when requests finished since the last save; :meth:`close` (also run at
@@ -353,17 +358,18 @@ class OutputIndexSnapshots(PeriodicSaves):
     noun = "output index"
 
     def __init__(self, index: OutputIndex, path: Path, tokenizer: TokenizerIdentity, interval_seconds: float,
-                 *, writes: bool = True, calibration: SavedCounts | None = None) -> None:
+                 *, writes: bool = True, learned: Mapping[str, SavedCounts] | None = None) -> None:
         super().__init__(path, interval_seconds, writes)
         self.index = index
-        self.calibration = calibration
+        self.learned = dict(learned or {})
         self.tokenizer = tokenizer
 
     def start(self) -> bool:
         """Load the snapshot and start saving; True when a snapshot was loaded."""
         loaded = self.index.load(self.path, self.tokenizer)
-        if loaded and self.calibration is not None:
-            self._restore_calibration(self.calibration)
+        if loaded:
+            for name, learned in self.learned.items():
+                self._restore_counts(name, learned)
         self._saved_changes = self.changes()
         self.start_saving()
         return loaded
@@ -372,18 +378,18 @@ class OutputIndexSnapshots(PeriodicSaves):
         return self.index.stats.sequences_added
 
     def save(self) -> None:
-        self.index.save(self.path, self.tokenizer, None if self.calibration is None else self.calibration.counts())
+        self.index.save(self.path, self.tokenizer, {name: learned.counts() for name, learned in self.learned.items()})
 
-    def _restore_calibration(self, calibration: SavedCounts) -> None:
-        """Start the calibration from the snapshot's counts; whatever is wrong with them is
-        logged and the calibration relearns from its prior (the tokens serve on)."""
+    def _restore_counts(self, name: str, learned: SavedCounts) -> None:
+        """Start ``learned`` from the snapshot's counts ``name``; whatever is wrong with them is
+        logged and the budget relearns them from its prior (the tokens serve on)."""
         try:
-            counts = read_calibration(self.path, calibration.counts().shape)
+            counts = read_counts(self.path, name, learned.counts().shape)
             if counts is not None:
-                calibration.restore_counts(counts)
+                learned.restore_counts(counts)
         except Exception as error:
-            logger.error("vllm_retrieval_spec: the calibration counts saved under %s were refused (%s); the budget "
-                         "relearns them and the next save replaces them", self.path, error)
+            logger.error("vllm_retrieval_spec: the %s counts saved under %s were refused (%s); the budget "
+                         "relearns them and the next save replaces them", name, self.path, error)
             return
         if counts is not None:
-            logger.info("vllm_retrieval_spec: goodput calibration restored from %s", self.path)
+            logger.info("vllm_retrieval_spec: goodput %s restored from %s", name, self.path)

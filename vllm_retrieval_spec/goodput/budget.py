@@ -33,7 +33,7 @@ from vllm_retrieval_spec.goodput.cost_model import StepCostModel
 from vllm_retrieval_spec.goodput.paths import first_children, fold_paths, node_depths, parent_values, path_products
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
 from vllm_retrieval_spec.goodput.search_gate import StepWay
-from vllm_retrieval_spec.goodput.token_factor import TokenFactor
+from vllm_retrieval_spec.goodput.token_factor import INITIAL_VOCAB, TokenFactor
 from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 
@@ -160,13 +160,20 @@ class GoodputBudget:
 
     @classmethod
     def for_engine(cls, margin: float, device_type: str, tensor_parallel_size: int = 1,
-                   kernel_rows: int = 0, token_factors: bool = True) -> GoodputBudget:
+                   kernel_rows: int = 0, token_factors: bool = True,
+                   vocab_size: int = INITIAL_VOCAB) -> GoodputBudget:
         """One runner's budget: the device's cost prior, the most tokens a step runs the CPU's
-        skinny GEMM on (0: none), whether tokens' factors scale the chances and, with more than
-        one tensor-parallel rank, the first rank's clock for step and drafting times."""
+        skinny GEMM on (0: none), whether tokens' factors scale the chances (a table of the
+        model's ``vocab_size``) and, with more than one tensor-parallel rank, the first rank's
+        clock for step and drafting times."""
         clock = tensor_parallel_clock(tensor_parallel_size)
         return cls(margin=margin, cost=StepCostModel.for_device(device_type, clock, kernel_rows), clock=clock,
-                   tokens=TokenFactor(enabled=token_factors))
+                   tokens=TokenFactor(enabled=token_factors, vocab_size=vocab_size))
+
+    def learned_counts(self) -> dict[str, AcceptanceCalibration | TokenFactor]:
+        """What a restarted server should start from, by name: the calibration's counts and,
+        when on, the tokens' factors (an output index snapshot saves them beside the index)."""
+        return {"calibration": self.calibration, **({"token_factors": self.tokens} if self.tokens.enabled else {})}
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
         """Learn from the acceptance of last step's nodes (``req_ids`` are this step's rows)."""

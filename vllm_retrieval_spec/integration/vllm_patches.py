@@ -15,7 +15,7 @@ import builtins
 import functools
 import importlib.metadata
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,8 +24,13 @@ import torch
 from vllm_retrieval_spec.compat import UnsupportedVllmError, is_supported_version, version_minor, vllm_version
 from vllm_retrieval_spec.datastores.live_index import LiveIndex
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
-from vllm_retrieval_spec.datastores.output_snapshot import OutputIndexSnapshots, PeriodicSaves, engine_snapshot_path
-from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget
+from vllm_retrieval_spec.datastores.output_snapshot import (
+    OutputIndexSnapshots,
+    PeriodicSaves,
+    SavedCounts,
+    engine_snapshot_path,
+)
+from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.integration.metrics import attach_metrics, engine_label, tensor_parallel_rank
 from vllm_retrieval_spec.integration.patch_surface import (
     require_instance_attributes,
@@ -268,11 +273,12 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     budget = None
     if options.budget == "auto":
         budget = GoodputBudget.for_engine(options.budget_margin, runner.device.type, ranks,
-                                          _skinny_gemm_rows(runner, options), options.budget_token_factors)
+                                          _skinny_gemm_rows(runner, options), options.budget_token_factors,
+                                          runner.model_config.get_vocab_size())
     output_index = None
     if drafter.uses_output_index():  # a background build would land at a different step on each rank
         output_index = OutputIndex(options.output_index_tokens, background=ranks == 1)
-        keep_output_index(runner, options, output_index, None if budget is None else budget.calibration)
+        keep_output_index(runner, options, output_index, {} if budget is None else budget.learned_counts())
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index,
                           live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None,
@@ -333,10 +339,11 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
 
 def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, index: OutputIndex,
-                      calibration: AcceptanceCalibration | None = None) -> OutputIndexSnapshots | None:
+                      learned: Mapping[str, SavedCounts] | None = None) -> OutputIndexSnapshots | None:
     """With ``output_index_path``: load this engine's snapshot into ``index`` (and the budget's
-    ``calibration``) now (every tensor-parallel rank, so that all draft alike), then save both
-    from the first rank every ``output_index_save_seconds`` and when vLLM shuts the runner down."""
+    ``learned`` counts) now (every tensor-parallel rank, so that all draft alike), then save
+    them from the first rank every ``output_index_save_seconds`` and when vLLM shuts the runner
+    down."""
     if not options.output_index_path:
         return None
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
@@ -344,7 +351,7 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
     path = engine_snapshot_path(options.output_index_path, int(engine_label(runner.vllm_config)))
     snapshots = OutputIndexSnapshots(index, path, tokenizer_identity(runner.model_config.tokenizer),
                                      options.output_index_save_seconds, writes=tensor_parallel_rank() == 0,
-                                     calibration=calibration)
+                                     learned=learned)
     snapshots.start()
     runner.vrs_output_snapshots = snapshots
     _close_at_shutdown(runner, snapshots)
