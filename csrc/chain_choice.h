@@ -7,10 +7,10 @@
 // its bucket's decaying counts smoothed towards the depth-0 counts of its match length over the
 // node's own halved raw guess. A node's path chance is the product along its chain of these
 // chances, each times its token's factor (goodput/token_factor.py, when given) within the
-// chances' bound. The nodes
-// within their rows' budgets are ranked by path chance per second of verification, and the best
-// b are kept for the b of the highest expected rate (tokens over seconds, what drafting adds
-// counted 1 + margin times), none unless that rate beats a step without drafts.
+// chances' bound. The nodes within their rows' budgets are ranked by path chance per second of
+// verification, and the best b are kept for the b of the highest expected rate (tokens over
+// seconds, what drafting adds counted 1 + margin times), none unless that rate beats a step
+// without drafts.
 //
 // The same arithmetic, in the same order, as the NumPy path it replaces for chains:
 // goodput/calibration.py (buckets, estimate), goodput/paths.py (path_products) and

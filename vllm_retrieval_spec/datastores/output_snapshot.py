@@ -64,7 +64,7 @@ CALIBRATION = "calibration.npy"
 TOKEN_FACTORS = "token_factors.npy"
 COUNTS_FILES = {"calibration": CALIBRATION, "token_factors": TOKEN_FACTORS}  # learned counts, by name
 TOKEN_DTYPE = np.dtype("<u4")
-CALIBRATION_DTYPE = np.dtype("<f8")
+COUNTS_DTYPE = np.dtype("<f8")
 MAX_SNAPSHOT_TOKENS = 2**31 - 2  # the largest output_index_tokens
 _SNAPSHOT = re.compile(r"snapshot-(\d{8})")
 
@@ -200,7 +200,7 @@ def _write_tokens(file: Path, sequences: Sequence[np.ndarray]) -> int:
 
 def _write_counts(file: Path, counts: np.ndarray) -> None:
     with open(file, "wb") as handle:
-        np.save(handle, np.ascontiguousarray(counts, dtype=CALIBRATION_DTYPE), allow_pickle=False)
+        np.save(handle, np.ascontiguousarray(counts, dtype=COUNTS_DTYPE), allow_pickle=False)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -243,7 +243,7 @@ def read_counts(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray | N
         counts = np.load(file, allow_pickle=False)
     except (OSError, ValueError) as error:
         raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt ({error})") from error
-    if counts.dtype != CALIBRATION_DTYPE:
+    if counts.dtype != COUNTS_DTYPE:
         raise OUTPUT_SNAPSHOT.fail(f"{file} is corrupt: counts of dtype {counts.dtype}, not float64")
     if counts.shape != tuple(shape):
         raise OUTPUT_SNAPSHOT.fail(f"{file} holds counts of shape {counts.shape}, this server keeps {shape}")

@@ -22,7 +22,7 @@ import numpy as np
 
 TOKEN_PRIOR = 4.0  # pseudo-chance behind a token's factor, at the calibration's own estimate
 TOKEN_FACTOR_RANGE = (1.0 / 8, 2.0)
-INITIAL_VOCAB = 1 << 16  # grown to the largest token id seen
+INITIAL_VOCAB = 1 << 16  # the table's first size where no model's vocabulary is given
 
 
 @dataclass
