@@ -4,7 +4,7 @@
 // the run's keys once — cache positions from the first any node's window keeps to its last tree
 // node — coalesced into shared memory as float32, and scores each key for all of the run's query
 // rows (nodes × query heads of the group) at once; a row masks the keys outside its path (its
-// window, the other branches). Per tile of kKeys keys: scores (a thread per key and row half), a
+// window, the other branches). Per tile of kKeys keys: scores (a thread per key and row group), a
 // block-wide online softmax per row, then P·V (a thread per 4 rows × 4 dims). When tiles × kv
 // heads would not fill the GPU, each run's keys are split over gridDim.z blocks whose partial
 // (max, sum, acc) a second kernel merges. Positions outside the block table or the cache
@@ -26,10 +26,12 @@ namespace {
 
 constexpr int kThreads = 128;                                  // 4 warps
 constexpr int kWarps = kThreads / 32;
-constexpr int kKeys = 64;                                      // keys per tile
+// 32 keys a tile: 43 KB of shared memory and 128 registers a thread at head size 128 let four
+// blocks share an SM (64 keys: two, and 1.45x slower at 64 trees x 4,000 keys on an H200).
+constexpr int kKeys = 32;                                      // keys per tile
 constexpr int kRows = 16;                                      // query rows per block
-constexpr int kKeyHalves = kKeys / 32;                         // warps scoring one row half
-constexpr int kScoreRows = kRows / (kThreads / kKeys);         // rows scored per thread: 8
+constexpr int kKeyWarps = kKeys / 32;                          // warps scoring one row group
+constexpr int kScoreRows = kRows / (kThreads / kKeys);         // rows scored per thread: 4
 constexpr int kValueRows = kRows / kWarps;                     // rows per warp in P·V: 4
 constexpr int kPassDims = 32 * 4;                              // dims of one P·V pass (float4 per lane)
 constexpr int kMaxHeadSize = 256;
@@ -37,6 +39,7 @@ constexpr int kMaxPasses = kMaxHeadSize / kPassDims;
 constexpr int kMaxWords = 4;                                   // ancestor rows of at most 256 nodes
 constexpr int kMaxSplits = 32;
 constexpr int kLoadBatch = 8;  // independent 16-byte loads in flight per thread
+static_assert(kKeys % 32 == 0, "whole warps of keys");
 static_assert(kValueRows == 4 && kScoreRows * (kThreads / kKeys) == kRows, "float4 rows of P");
 
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -83,8 +86,8 @@ struct Run {
 
 struct BlockShared {
   RunNode nodes[kRows];
-  float tile_max[kKeyHalves][kRows];
-  float tile_sum[kKeyHalves][kRows];
+  float tile_max[kKeyWarps][kRows];
+  float tile_sum[kKeyWarps][kRows];
   int64_t key_block[kKeys];  // element offset of each tile key's (block, kv head), -1: nothing
   int key_slot[kKeys];        // its position in the block
 };
@@ -294,7 +297,7 @@ __device__ __forceinline__ void dot_rows(const float* q, const float* key, int d
 // The running max of a row after this tile (identical in every thread that tracks the row).
 __device__ __forceinline__ float updated_max(const BlockShared& sh, int row, float max) {
 #pragma unroll
-  for (int h = 0; h < kKeyHalves; ++h) max = fmaxf(max, sh.tile_max[h][row]);
+  for (int h = 0; h < kKeyWarps; ++h) max = fmaxf(max, sh.tile_max[h][row]);
   return max;
 }
 
@@ -303,11 +306,11 @@ __device__ __forceinline__ float weight(float x, float max) {
   return x == -INFINITY ? 0.0f : __expf(x - max);
 }
 
-// Scores of the tile's key (this thread's) for its row half, masked, soft-capped; their
+// Scores of the tile's key (this thread's) for its row group, masked, soft-capped; their
 // per-warp maxima into sh.tile_max. Then (after a barrier) their probabilities into tiles.p,
 // their per-warp sums into sh.tile_sum, the rows' running max in max.
 struct Scorer {
-  int key, half;  // key of the tile, rows half * kScoreRows ..
+  int key, row_group;  // key of the tile, rows row_group * kScoreRows ..
   float max[kScoreRows];
   float s[kScoreRows];
 
@@ -315,10 +318,10 @@ struct Scorer {
                         const BlockShared& sh, const Tiles& tiles) {
     const int pos = pos0 + key;
     const bool key_ok = sh.key_block[key] >= 0;
-    dot_rows(tiles.q + half * kScoreRows * geo.dims, tiles.k + key * geo.key_stride, geo.dims, s);
+    dot_rows(tiles.q + row_group * kScoreRows * geo.dims, tiles.k + key * geo.key_stride, geo.dims, s);
 #pragma unroll
     for (int i = 0; i < kScoreRows; ++i) {
-      const int r = half * kScoreRows + i;
+      const int r = row_group * kScoreRows + i;
       const bool ok = key_ok && r < run.rows && sees(sh.nodes[r / geo.group], run.context, pos);
       if (ok && a.softcap > 0.0f) s[i] = a.softcap * tanhf(s[i] / a.softcap);
       s[i] = ok ? s[i] : -INFINITY;
@@ -326,24 +329,24 @@ struct Scorer {
   }
 
   __device__ void reduce_max(BlockShared& sh) const {
-    const int key_half = key / 32;
+    const int key_warp = key / 32;
 #pragma unroll
     for (int i = 0; i < kScoreRows; ++i) {
       const float m = warp_max(s[i]);
-      if (key % 32 == 0) sh.tile_max[key_half][half * kScoreRows + i] = m;
+      if (key % 32 == 0) sh.tile_max[key_warp][row_group * kScoreRows + i] = m;
     }
   }
 
   __device__ void weigh(BlockShared& sh, const Tiles& tiles) {
-    const int key_half = key / 32;
+    const int key_warp = key / 32;
 #pragma unroll
     for (int i = 0; i < kScoreRows; ++i) {
-      const int r = half * kScoreRows + i;
+      const int r = row_group * kScoreRows + i;
       max[i] = updated_max(sh, r, max[i]);
       const float p = weight(s[i], max[i]);
       tiles.p[key * kRows + r] = p;
       const float total = warp_sum(p);
-      if (key % 32 == 0) sh.tile_sum[key_half][r] = total;
+      if (key % 32 == 0) sh.tile_sum[key_warp][r] = total;
     }
   }
 };
@@ -363,7 +366,7 @@ struct Accumulator {
       max[j] = top;
       float tile_sum = 0.0f;
 #pragma unroll
-      for (int h = 0; h < kKeyHalves; ++h) tile_sum += sh.tile_sum[h][r];
+      for (int h = 0; h < kKeyWarps; ++h) tile_sum += sh.tile_sum[h][r];
       sum[j] = fmaf(sum[j], correction, tile_sum);
 #pragma unroll
       for (int pass = 0; pass < kMaxPasses; ++pass) {
@@ -441,12 +444,12 @@ __device__ void attend_run(const TreeAttentionArgs& a, const Geometry& geo, Run&
   split_keys(geo, sh, run);
   const int tid = threadIdx.x;
   Scorer scorer;
-  scorer.key = tid % kKeys, scorer.half = tid / kKeys;
+  scorer.key = tid % kKeys, scorer.row_group = tid / kKeys;
   Accumulator acc;
   acc.first_row = tid / 32 * kValueRows, acc.lane = tid % 32;
   for (int i = 0; i < kScoreRows; ++i) {
     float unused;
-    start_row(a, geo, scorer.half * kScoreRows + i, scorer.max[i], unused);
+    start_row(a, geo, scorer.row_group * kScoreRows + i, scorer.max[i], unused);
   }
   for (int j = 0; j < kValueRows; ++j) {
     start_row(a, geo, acc.first_row + j, acc.max[j], acc.sum[j]);
