@@ -174,6 +174,9 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_margin{m}": _ours("RestProposer", 32, budget_margin=m / 100) for m in (25, 50, 100)},
     # Chances from the calibration's buckets alone, without each token's factor (default on since 2026-11-30).
     "rest_k32_no_token_factors": _ours("RestProposer", 32, budget_token_factors=False),
+    # Context continuations stop at the end of the context, also in a loop (context_loops, default on since
+    # 2026-12-01).
+    "rest_k32_no_context_loops": _ours("RestProposer", 32, context_loops=False),
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).

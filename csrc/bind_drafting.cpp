@@ -507,6 +507,7 @@ void bind_rest(nb::module_& m) {
       .def_rw("use_context", &vrs::RestParams::use_context)
       .def_rw("context_weight", &vrs::RestParams::context_weight)
       .def_rw("context_max_matches", &vrs::RestParams::context_max_matches)
+      .def_rw("context_loops", &vrs::RestParams::context_loops)
       .def_rw("output_weight", &vrs::RestParams::output_weight)
       .def_rw("output_max_matches", &vrs::RestParams::output_max_matches)
       .def_rw("dense_weight", &vrs::RestParams::dense_weight)

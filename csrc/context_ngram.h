@@ -43,6 +43,19 @@ VRS_HD inline int find_recent_matches(const int32_t* ctx, int n, int q, int max_
   return m;
 }
 
+// The continuation of the earlier occurrence at p of the context's last q tokens, up to len
+// tokens, into out; returns its length. It is ctx[p + q ..] up to the end of the context, whose
+// distance d = n - p - q is then its period: when the match spans a whole period (q >= d, so the
+// context's last q + d tokens repeat every d tokens: a loop) it goes on repeating, as the
+// context would if it continued as it did after p; else it stops at the end of the context.
+VRS_HD inline int context_continuation(const int32_t* ctx, int n, int p, int q, int len, bool loops,
+                                       int32_t* out) {
+  const int start = p + q, period = n - start;
+  const int count = loops && q >= period ? len : (period < len ? period : len);
+  for (int i = 0; i < count; ++i) out[i] = ctx[start + i % period];
+  return count;
+}
+
 // Longest q in [q_min, q_max] whose last-q-token query occurred earlier (an occurrence of
 // length q implies one of length q - 1, so binary search over q); fills match_pos with its
 // most recent occurrences. Returns q (0: none) and sets *num_matches.

@@ -31,6 +31,7 @@ struct RestParams {
   bool use_context = false;
   double context_weight = 0;    // weight of one context continuation (a datastore one weighs 1)
   int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
+  bool context_loops = false;   // a context continuation reaching the context's end repeats (a loop)
   double output_weight = 0;     // weight of one continuation from the output index
   int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
   double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours, the store's or
@@ -671,9 +672,12 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
     int match_pos[kMaxContextMatches];
     int m = 0;
     ctx_len = longest_recent_match(ctx, n, prm.n_min, prm.n_max, prm.context_max_matches, match_pos, &m);
+    thread_local std::vector<int32_t> continuation;
+    continuation.resize(static_cast<size_t>(prm.cont_len));
     for (int i = 0; i < m; ++i) {
-      const int start = match_pos[i] + ctx_len;
-      trie.insert(ctx + start, std::min(prm.cont_len, n - start), kFromContext);
+      const int len = context_continuation(ctx, n, match_pos[i], ctx_len, prm.cont_len, prm.context_loops,
+                                           continuation.data());
+      trie.insert(continuation.data(), len, kFromContext);
     }
   }
   auto t3 = clock::now();

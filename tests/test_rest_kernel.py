@@ -124,6 +124,7 @@ params_strategy = st.builds(
     tree_holds_chain=st.booleans(),
     use_datastore=st.booleans(),
     use_context=st.booleans(),
+    context_loops=st.booleans(),
     context_weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
     context_max_matches=st.integers(1, 8),
     output_weight=st.sampled_from([0.0, 1.0, 2.5]),
@@ -360,6 +361,21 @@ def test_calibrated_selection_matches_the_reference(documents, contexts, params,
     assert got == reference_results(store, contexts, params, output, *given)
     for result in got:
         assert_tree_is_parents_first(*result["tree"])
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_a_looping_context_is_drafted_around_its_loop(loops):
+    """The output repeats "7 8 9": the most recent occurrence of the last tokens ends three
+    tokens before the end, one period. With context loops its continuation goes on around the
+    loop; without, it stops at the end of the context. A match shorter than its period (the
+    last token alone, seen once two tokens back) does not loop."""
+    params = RestParams(cont_len=8, chain_len=8, top_k=8, use_datastore=False, context_loops=loops, min_ratio=0.0)
+    looping, = kernel_results(None, [[1, 2, 7, 8, 9, 7, 8, 9]], params)
+    assert looping["chain"] == ([7, 8, 9, 7, 8, 9, 7, 8] if loops else [7, 8, 9])
+    once, = kernel_results(None, [[1, 5, 6, 5]], params)
+    assert once["chain"] == [6, 5]
+    for contexts in ([[1, 2, 7, 8, 9, 7, 8, 9]], [[1, 5, 6, 5]]):
+        assert kernel_results(None, contexts, params) == reference_results(None, contexts, params)
 
 
 def test_a_long_context_match_outranks_a_frequent_short_datastore_continuation():

@@ -120,6 +120,12 @@ class RetrievalSpecOptions:
     context_weight: float = _option(
         256.0, _float_in(0.0, 1e6), "REST: weight of one context continuation (a datastore one weighs 1)"
     )
+    context_loops: bool = _option(
+        True, _bool,
+        "REST: a context continuation that reaches the end of the context goes on repeating with that period "
+        "when the match spans a whole period (the output loops, as small models' greedy outputs do); false: it "
+        "stops at the end of the context",
+    )
     n_min: int = _option(1, _int_in(1, 64), "REST: shortest context suffix that may match")
     n_max: int = _option(16, _int_in(1, 64), "REST: longest context suffix tried first")
     max_matches: int = _option(

@@ -1,17 +1,18 @@
 """REST retrieval (exact-match retrieval, REST paper Algorithms 1 and 2): the front end of the C++ kernel.
 
-Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens) found
-in the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens, stopping at
-document separators, evenly strided over the suffix-array range), the same from the
-cross-request output index (up to ``output_max_matches``, each weighing ``output_weight``), the
-continuations given by the caller (DReSD's dense neighbours in the store and in the index learned
-from served traffic, each weighing ``dense_weight`` under a flag of its own; the live index of
-requests in flight, each weighing ``live_weight``), plus the continuations of the
-longest suffix found earlier in the row's own context (each weighing ``context_weight``), merged
-into one trie. Output: the ``top_k`` best nodes as a subtree, depth-first with each node's
-children in rank order (parents before children, the main path first), and the best chain (the
-best child at each step), which stops when a child keeps less than ``min_ratio`` of its parent's
-weight (with a :class:`ChanceTable`: when its calibrated chance given its parent is below
+Per requested row: the longest suffix of the context (``n_max`` down to ``n_min`` tokens) found in
+the datastore, up to ``max_matches`` of its continuations (``cont_len`` tokens, stopping at
+document separators, evenly strided over the suffix-array range), the same from the cross-request
+output index (up to ``output_max_matches``, each weighing ``output_weight``), the continuations
+given by the caller (DReSD's dense neighbours in the store and in the index learned from served
+traffic, each weighing ``dense_weight`` under a flag of its own; the live index of requests in
+flight, each weighing ``live_weight``), plus the continuations of the longest suffix found earlier
+in the row's own context (each weighing ``context_weight``; with ``context_loops`` one that reaches
+the end of the context repeats with that period when the match spans a whole period: the output is
+looping), merged into one trie. Output: the ``top_k`` best nodes as a subtree, depth-first with
+each node's children in rank order (parents before children, the main path first), and the best
+chain (the best child at each step), which stops when a child keeps less than ``min_ratio`` of its
+parent's weight (with a :class:`ChanceTable`: when its calibrated chance given its parent is below
 ``min_ratio``). With ``tree_holds_chain`` the tree's main path is that chain (up to ``top_k``
 nodes) and its other nodes are the best of the rest, so that a budget choosing among the tree's
 nodes (``budget: auto``) can draft the whole chain where branches do not pay.
@@ -57,6 +58,7 @@ class RestParams:
     use_context: bool = True
     context_weight: float = 256.0
     context_max_matches: int = 64
+    context_loops: bool = True
     output_weight: float = 4.0
     output_max_matches: int = 64
     dense_weight: float = 1.0

@@ -227,8 +227,16 @@ def _context_continuations(ctx, params):
         positions = [p for p in range(n - q - 1, -1, -1) if ctx[p:p + q] == query]
         positions = positions[: params.context_max_matches]
         if positions:
-            return q, [ctx[p + q:p + q + params.continuation_len] for p in positions]
+            return q, [_context_continuation(ctx, p, q, params) for p in positions]
     return 0, []
+
+
+def _context_continuation(ctx, p, q, params):
+    """``ctx[p + q:]`` up to ``continuation_len`` tokens, repeating with its period (its distance to
+    the end) when ``context_loops`` and the match spans a period."""
+    start, period = p + q, len(ctx) - p - q
+    count = params.continuation_len if params.context_loops and q >= period else min(period, params.continuation_len)
+    return [ctx[start + i % period] for i in range(count)]
 
 
 def _given_match_len(given: object, match_len: Sequence[int] | None, weight: float, row: int) -> int:
