@@ -17,6 +17,7 @@ buckets and learned step-cost curve (plot them with ``plot_budget.py``).
         (one command line)
     python benchmarks/acceptance.py --dataset benchmarks/data/code_edit.jsonl --prompts 40 --max-tokens 256
     python benchmarks/acceptance.py --interleave --concurrency 8 --prompts 64 --configs none suffix rest_k32
+    python benchmarks/acceptance.py --model gemma3 --interleave --prompts 20 --configs none suffix rest_k32
 
 ``--interleave`` builds every config's engine at once (~1 GB each) and runs each group of
 ``--concurrency`` prompts on every engine in turn, in orders balanced from group to group (each
@@ -51,7 +52,8 @@ Under the table each budget's cost model says how far it predicted its recent de
 (``cost_prediction_error``); ``--step-log`` also keeps every step it observed in the report
 (``step_log``), which ``cost_model_replay.py`` replays through other cost models.
 
-Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>][_s<seed>]][_<tag>].json.
+Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>][_s<seed>]][_<model>][_<tag>]
+.json (``_<model>`` unless it is SmolLM2).
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tqdm import tqdm
 
 from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
+from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store  # noqa: E402
 from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     EngineSpec,
     GenerationRun,
@@ -84,13 +88,17 @@ from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
 from vllm_retrieval_spec.evaluation.load import jsonl_requests  # noqa: E402
 from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters, summarize  # noqa: E402
 from vllm_retrieval_spec.evaluation.prompts import chat_prompts, humaneval_prompts  # noqa: E402
-from vllm_retrieval_spec.models import ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.models import ensure_gemma3_checkpoint, ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# --model: the checkpoint (converted from its GGUF on first use) and the name the report gives it.
+MODELS = {"smollm2": (ensure_smollm2_checkpoint, "SmolLM2-135M-Instruct (float32)"),
+          "gemma3": (ensure_gemma3_checkpoint, "Gemma-3-270m (float32)")}
 INDIST_STORE = cache_root() / "datastores" / "stdlib-answers"
 LEARNED_DENSE_DIR = cache_root() / "learned-dense" / "acceptance"  # dresd_learned_saved_k32's snapshots
 INDIST_DENSE_STORE = cache_root() / "dense-datastores" / "stdlib-answers-dense"
@@ -298,6 +306,17 @@ def configured(model: Path, name: str, args: argparse.Namespace) -> tuple[dict, 
                               max_num_seqs=max(args.concurrency, 1))
 
 
+def ensure_default_datastore(model: Path, names: list[str], args: argparse.Namespace) -> None:
+    """Build the serving default datastore for ``model``'s tokenizer once (into the cache) when
+    a config drafts from it: the proposers refuse a recipe store that is not built yet."""
+    for name in names:
+        config, _ = configured(model, name, args)
+        section = (config.get("additional_config") or {}).get("retrieval_spec", {})
+        if is_ours(config) and "datastore" not in section:
+            ensure_recipe_store(RetrievalSpecOptions().datastore, model)
+            return
+
+
 def request_seeds(prompts: list[str], args: argparse.Namespace) -> list[int] | None:
     return None if args.seed is None else [args.seed + i for i in range(len(prompts))]
 
@@ -348,13 +367,16 @@ def run_interleaved(model: Path, names: list[str], prompts: list[str], args: arg
         seeds = request_seeds(prompts, args)
         groups: dict[str, list[list[GenerationRun]]] = {name: [] for name in names}
         size = max(args.concurrency, 1)
-        for _ in range(args.repeats):
-            for name in names:
-                groups[name].append([])
-            for start, name in interleaved_turns(names, len(prompts), size):
-                groups[name][-1].append(generate(
-                    engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
-                    seeds=seeds and seeds[start:start + size], **sampling_of(args)))
+        turns = list(interleaved_turns(names, len(prompts), size))
+        with tqdm(total=len(turns) * args.repeats, desc="groups run by an engine", unit="group") as progress:
+            for _ in range(args.repeats):
+                for name in names:
+                    groups[name].append([])
+                for start, name in turns:
+                    groups[name][-1].append(generate(
+                        engines[name], prompts[start:start + size], args.max_tokens, concurrency=args.concurrency,
+                        seeds=seeds and seeds[start:start + size], **sampling_of(args)))
+                    progress.update()
         budgets = {name: budget_report(llm, args.concurrency) for name, llm in engines.items()}
         prefill = dict.fromkeys(names, None)
         if args.prefill:
@@ -529,7 +551,7 @@ def benchmark_form(model: Path, form: str, names: list[str], args: argparse.Name
     results, outputs = [], []
     report = {"form": form, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-              "repeats": args.repeats, "interleaved": args.interleave, "model": "SmolLM2-135M-Instruct (float32)",
+              "repeats": args.repeats, "interleaved": args.interleave, "model": MODELS[args.model][1],
               "machine": platform.machine(), "processor_count": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     if args.interleave:
@@ -606,7 +628,7 @@ def resampled_ratios(numerators: np.ndarray, denominators: np.ndarray, picks: np
 
 
 def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
-    tag = f"_{args.tag}" if args.tag else ""
+    tag = ("" if args.model == "smollm2" else f"_{args.model}") + (f"_{args.tag}" if args.tag else "")
     if args.temperature > 0:
         seed = "" if args.seed is None else f"_s{args.seed}"
         tag = f"_T{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") + seed + tag
@@ -686,6 +708,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     parser.add_argument("--form", choices=["raw", "chat", "both"], default="raw")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="the target: SmolLM2-135M-Instruct, or Gemma-3-270m (a base model, raw prompts; its "
+                             "GGUF package installed by scripts/setup.sh); not smollm2: in the report's name")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
                         help=f"from {', '.join(CONFIGS)}; NAME@2 runs NAME again (interleave repeats against "
                              "the machine's drift: speed-ups are against the mean of no speculation's and of "
@@ -713,10 +738,11 @@ def main() -> None:
     if args.seed is not None and args.temperature <= 0:
         parser.error("--seed needs --temperature above 0 (greedy requests ignore seeds)")
 
-    model = ensure_smollm2_checkpoint()
+    model = MODELS[args.model][0]()
     names = resolve_configs(args.configs, args.repeat_baseline and not args.interleave, seeded=args.seed is not None)
     if args.interleave:
         names = list(dict.fromkeys(base_config(name) for name in names))  # one engine per config
+    ensure_default_datastore(model, names, args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     forms = ["raw", "chat"] if args.form == "both" else [args.form]
     for form in [args.dataset.stem] if args.dataset else forms:

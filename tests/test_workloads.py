@@ -4,6 +4,7 @@ HumanEval one) and within 2,048 SmolLM2 tokens; ``acceptance.py --dataset`` rend
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import sys
@@ -110,3 +111,28 @@ def test_paired_ratio_intervals_hold_the_ratio_and_need_their_units_in_every_rep
     assert interval({**twice, "seconds": None}, [suffix]) is None  # not interleaved
     assert interval(twice, []) is None
     assert interval({"tokens": [1], "seconds": [1.0]}, [{"tokens": [1], "seconds": [1.0]}]) is None
+
+
+def test_report_names_the_model_unless_it_is_smollm2():
+    acceptance = load_benchmark("acceptance")
+    args = argparse.Namespace(tag="t", temperature=0.7, top_p=1.0, seed=None, max_tokens=64, concurrency=8,
+                              model="smollm2")
+    report = {"prompts": 20}
+    assert acceptance.report_path("raw", report, args).name == "acceptance_raw_n20_t64_c8_T0.7_t.json"
+    args.model = "gemma3"
+    assert acceptance.report_path("raw", report, args).name == "acceptance_raw_n20_t64_c8_T0.7_gemma3_t.json"
+    assert set(acceptance.MODELS) == {"smollm2", "gemma3"}
+
+
+def test_the_default_datastore_is_built_only_for_configs_that_draft_from_it(monkeypatch, tmp_path):
+    acceptance = load_benchmark("acceptance")
+    built = []
+    monkeypatch.setattr(acceptance, "ensure_recipe_store", lambda name, model: built.append((name, model)))
+    args = argparse.Namespace(option=[], concurrency=1)
+    acceptance.ensure_default_datastore(tmp_path, ["none", "suffix"], args)
+    assert built == []
+    acceptance.ensure_default_datastore(tmp_path, ["none", "rest_k32", "rest_k8"], args)
+    assert built == [("python-code", tmp_path)]
+    args.option = [("datastore", str(tmp_path / "store"))]
+    acceptance.ensure_default_datastore(tmp_path, ["rest_k32"], args)
+    assert len(built) == 1
