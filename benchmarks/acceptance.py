@@ -52,8 +52,8 @@ Under the table each budget's cost model says how far it predicted its recent de
 (``cost_prediction_error``); ``--step-log`` also keeps every step it observed in the report
 (``step_log``), which ``cost_model_replay.py`` replays through other cost models.
 
-Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency>[_T<temp>[_p<top-p>][_s<seed>]][_<model>][_<tag>]
-.json (``_<model>`` unless it is SmolLM2).
+Writes results/acceptance_<form>_n<prompts>_t<tokens>_c<concurrency><rest>.json, ``<rest>`` being
+[_T<temp>[_p<top-p>][_s<seed>]][_<model>][_<tag>] (``_<model>`` unless it is SmolLM2).
 """
 
 from __future__ import annotations
