@@ -272,7 +272,7 @@ class RetrievalSpecOptions:
         "step) run the plugin's skinny GEMM (1.05-1.5x oneDNN's speed up to 24 rows on the 2-core x86 VMs measured) "
         "instead of oneDNN's; keeps a packed float32 copy of the linear weights beside oneDNN's. A model whose output "
         "layer dominates its weights gains from more (Gemma-3-270m, 262k-token vocabulary: 96 rows served 1.09x the "
-        "default at 8 in flight; SmolLM2: 1.00x at 1, 0.99x at 8, 1.05x at 32 in flight). 0: vLLM's GEMM everywhere",
+        "default at 8 in flight; SmolLM2: 0.99-1.05x at 1, 8 and 32 in flight). 0: vLLM's GEMM everywhere",
     )
 
     cpu_step_attention: bool = _option(
