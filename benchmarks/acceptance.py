@@ -89,6 +89,7 @@ from vllm_retrieval_spec.evaluation.load import jsonl_requests  # noqa: E402
 from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters, summarize  # noqa: E402
 from vllm_retrieval_spec.evaluation.prompts import chat_prompts, humaneval_prompts  # noqa: E402
 from vllm_retrieval_spec.models import ensure_gemma3_checkpoint, ensure_smollm2_checkpoint  # noqa: E402
+from vllm_retrieval_spec.models.gguf import ModelSourceError  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 
@@ -738,7 +739,10 @@ def main() -> None:
     if args.seed is not None and args.temperature <= 0:
         parser.error("--seed needs --temperature above 0 (greedy requests ignore seeds)")
 
-    model = MODELS[args.model][0]()
+    try:
+        model = MODELS[args.model][0]()
+    except ModelSourceError as error:  # its package not installed, or a corrupt GGUF: one line, not a traceback
+        sys.exit(f"--model {args.model}: {error}")
     names = resolve_configs(args.configs, args.repeat_baseline and not args.interleave, seeded=args.seed is not None)
     if args.interleave:
         names = list(dict.fromkeys(base_config(name) for name in names))  # one engine per config
