@@ -190,9 +190,9 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).
     "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
-    # ... and the skinny GEMM up to 48 or 96 rows (8 in flight drafting up to 5 tokens each, or
-    # 32 in flight drafting up to 2, stay on it).
-    **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (48, 96)},
+    # ... and the skinny GEMM up to 32 rows named whatever the default, 48 or 96 (8 in flight drafting up to 3, 5
+    # or 11 tokens each stay on it).
+    **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (32, 48, 96)},
     # vLLM's attention kernel on every step instead of the plugin's (cpu_step_attention, default true since
     # 2026-11-29, on every causal step; before, opt-in on verification steps: the files of that date and
     # before name it "rest_k32_step_attention", and "rest_k32_vllm_attention" the A/B partner with it off).

@@ -7,8 +7,9 @@ machine's drift falls on all alike). Rows are a step's tokens: 1 at batch 1 with
 verifying k drafts, 8 + drafts at 8 in flight.
 
     python benchmarks/skinny_gemm.py --rows 1 2 3 5 8 12 16 24 32 40
+    python benchmarks/skinny_gemm.py --model gemma3 --rows 8 32 48 64 96
 
-Writes results/skinny_gemm[_<tag>].json and prints milliseconds per model step by row count.
+Writes results/skinny_gemm[_gemma3][_<tag>].json and prints milliseconds per model step by row count.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import json
 import platform
 import time
 
-from acceptance import RESULTS
+from acceptance import MODELS, RESULTS
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, model_runner_of, shutdown_llm
-from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 
 
 def kernel_copy(linear, rows: int, small_pages: bool = False):
@@ -57,10 +57,21 @@ def layer_times(linears: list, rows: int, repeats: int) -> dict[str, float]:
     return best
 
 
+def print_table(title: str, table: dict[int, dict[str, float]]) -> None:
+    """Milliseconds of each GEMM by row count, and their ratios."""
+    print(title)
+    print(f"{'rows':>5} {'skinny':>8} {'4K pages':>9} {'oneDNN':>8} {'oneDNN÷skinny':>14} {'4K÷2M pages':>12}")
+    for rows, times in table.items():
+        skinny, small = times["skinny"], times["skinny_small_pages"]
+        print(f"{rows:>5} {skinny:>8.1f} {small:>9.1f} {times['onednn']:>8.1f} {times['onednn'] / skinny:>14.2f} "
+              f"{small / skinny:>12.2f}")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8, 12, 16, 24, 32, 40])
     parser.add_argument("--repeats", type=int, default=7, help="passes per GEMM and row count (best kept)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="the engine's model")
     parser.add_argument("--tag", default="")
     return parser.parse_args()
 
@@ -70,28 +81,29 @@ def main() -> None:
     from vllm_retrieval_spec.kernels.skinny_gemm import SkinnyLinear
 
     speculative = {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}
-    llm = build_llm(EngineSpec(ensure_smollm2_checkpoint(), speculative, max_num_seqs=1))
+    llm = build_llm(EngineSpec(MODELS[args.model][0](), speculative, max_num_seqs=1))
     try:
         linears = [module.cpu_linear for module in model_runner_of(llm).model.modules()
                    if isinstance(getattr(module, "cpu_linear", None), SkinnyLinear)]
         if not linears:
             raise SystemExit("skinny_gemm: the engine's layers do not run the skinny GEMM on this CPU (it needs "
                              "x86 with AVX2 and a float32 model); nothing to compare")
+        largest = max(linears, key=lambda linear: linear.packed.numel())
         table = {rows: layer_times(linears, rows, args.repeats) for rows in args.rows}
+        largest_table = {rows: layer_times([largest], rows, args.repeats) for rows in args.rows}
     finally:
         shutdown_llm(llm)
-    print(f"{len(linears)} layers; milliseconds per pass over all of them (best of {args.repeats})")
-    print(f"{'rows':>5} {'skinny':>8} {'4K pages':>9} {'oneDNN':>8} {'oneDNN÷skinny':>14} {'4K÷2M pages':>12}")
-    for rows, times in table.items():
-        skinny, small = times["skinny"], times["skinny_small_pages"]
-        print(f"{rows:>5} {skinny:>8.1f} {small:>9.1f} {times['onednn']:>8.1f} {times['onednn'] / skinny:>14.2f} "
-              f"{small / skinny:>12.2f}")
+    print_table(f"{len(linears)} layers; milliseconds per pass over all of them (best of {args.repeats})", table)
+    print_table(f"the largest layer alone ({largest.out_features} x {largest.in_features})", largest_table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"skinny_gemm{'_' + args.tag if args.tag else ''}.json"
+    parts = [*([args.model] if args.model != "smollm2" else []), *([args.tag] if args.tag else [])]
+    out = RESULTS / f"{'_'.join(['skinny_gemm', *parts])}.json"
     out.write_text(json.dumps({
-        "model": "SmolLM2-135M-Instruct (float32)", "machine": platform.machine(), "layers": len(linears),
+        "model": MODELS[args.model][1], "machine": platform.machine(), "layers": len(linears),
         "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M"),
         "milliseconds_per_pass": {str(rows): times for rows, times in table.items()},
+        "largest_layer": {"out_features": largest.out_features, "in_features": largest.in_features,
+                          "milliseconds": {str(rows): times for rows, times in largest_table.items()}},
     }, indent=2) + "\n")
     print(f"written: {out}")
 

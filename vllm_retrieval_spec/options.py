@@ -270,9 +270,10 @@ class RetrievalSpecOptions:
         32, _int_in(0, 256),
         "CPU build, float32 models on x86: linear layers computing at most this many rows (a decode or verification "
         "step) run the plugin's skinny GEMM (1.05-1.5x oneDNN's speed up to 24 rows on the 2-core x86 VMs measured) "
-        "instead of oneDNN's; keeps a packed float32 copy of the linear weights beside oneDNN's. A model whose output "
-        "layer dominates its weights gains from more (Gemma-3-270m, 262k-token vocabulary: 96 rows served 1.09x the "
-        "default at 8 in flight; SmolLM2: 0.99-1.05x at 1, 8 and 32 in flight). 0: vLLM's GEMM everywhere",
+        "instead of oneDNN's; keeps a packed float32 copy of the linear weights beside oneDNN's. More rows let the "
+        "budget draft more at 8 in flight; not a steady gain where measured (96 rows: Gemma-3-270m 0.92-1.09x the "
+        "default at 8 in flight in three runs, 0.95x at 1; SmolLM2 0.99-1.05x on four workloads at 1, 8 and 32 in "
+        "flight). 0: vLLM's GEMM everywhere",
     )
 
     cpu_step_attention: bool = _option(
