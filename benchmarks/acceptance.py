@@ -76,7 +76,7 @@ from vllm_retrieval_spec.compat import configure_vllm_environment
 
 configure_vllm_environment(in_process=True)
 
-from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store  # noqa: E402
+from vllm_retrieval_spec.datastores.resolve import as_directory, ensure_recipe_store  # noqa: E402
 from vllm_retrieval_spec.evaluation.engine import (  # noqa: E402
     EngineSpec,
     GenerationRun,
@@ -92,6 +92,7 @@ from vllm_retrieval_spec.models import ensure_gemma3_checkpoint, ensure_smollm2_
 from vllm_retrieval_spec.models.gguf import ModelSourceError  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
+from vllm_retrieval_spec.proposers.registry import registered_proposer  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -307,15 +308,20 @@ def configured(model: Path, name: str, args: argparse.Namespace) -> tuple[dict, 
                               max_num_seqs=max(args.concurrency, 1))
 
 
-def ensure_default_datastore(model: Path, names: list[str], args: argparse.Namespace) -> None:
-    """Build the serving default datastore for ``model``'s tokenizer once (into the cache) when
-    a config drafts from it: the proposers refuse a recipe store that is not built yet."""
+def ensure_recipe_datastores(model: Path, names: list[str], args: argparse.Namespace) -> None:
+    """Build once (into the cache), for ``model``'s tokenizer, every recipe datastore that a config's
+    proposer opens at start (its ``datastore`` option naming a recipe, not a directory): the
+    proposers refuse a recipe store that is not built yet."""
+    recipes = []
     for name in names:
         config, _ = configured(model, name, args)
-        section = (config.get("additional_config") or {}).get("retrieval_spec", {})
-        if is_ours(config) and "datastore" not in section:
-            ensure_recipe_store(RetrievalSpecOptions().datastore, model)
-            return
+        proposer = registered_proposer((config.get("speculative_config") or {}).get("model"))
+        options = RetrievalSpecOptions.from_additional_config(config.get("additional_config"))
+        if (proposer and "datastore" in proposer.store_options and options.use_datastore
+                and as_directory(options.datastore) is None):
+            recipes.append(options.datastore)
+    for recipe in dict.fromkeys(recipes):
+        ensure_recipe_store(recipe, model)
 
 
 def request_seeds(prompts: list[str], args: argparse.Namespace) -> list[int] | None:
@@ -628,8 +634,13 @@ def resampled_ratios(numerators: np.ndarray, denominators: np.ndarray, picks: np
     return numerators[picks].sum(axis=1) / np.maximum(denominators[picks].sum(axis=1), 1e-9)
 
 
+def model_tag(model: str) -> str:
+    """A report file's name part for ``--model`` (none for SmolLM2, the project's model)."""
+    return "" if model == "smollm2" else f"_{model}"
+
+
 def report_path(form: str, report: dict, args: argparse.Namespace) -> Path:
-    tag = ("" if args.model == "smollm2" else f"_{args.model}") + (f"_{args.tag}" if args.tag else "")
+    tag = model_tag(args.model) + (f"_{args.tag}" if args.tag else "")
     if args.temperature > 0:
         seed = "" if args.seed is None else f"_s{args.seed}"
         tag = f"_T{args.temperature:g}" + (f"_p{args.top_p:g}" if args.top_p < 1 else "") + seed + tag
@@ -746,7 +757,7 @@ def main() -> None:
     names = resolve_configs(args.configs, args.repeat_baseline and not args.interleave, seeded=args.seed is not None)
     if args.interleave:
         names = list(dict.fromkeys(base_config(name) for name in names))  # one engine per config
-    ensure_default_datastore(model, names, args)
+    ensure_recipe_datastores(model, names, args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     forms = ["raw", "chat"] if args.form == "both" else [args.form]
     for form in [args.dataset.stem] if args.dataset else forms:

@@ -20,7 +20,7 @@ import json
 import platform
 import time
 
-from acceptance import MODELS, RESULTS
+from acceptance import MODELS, RESULTS, model_tag
 
 from vllm_retrieval_spec.evaluation.engine import EngineSpec, build_llm, model_runner_of, shutdown_llm
 
@@ -96,8 +96,7 @@ def main() -> None:
     print_table(f"{len(linears)} layers; milliseconds per pass over all of them (best of {args.repeats})", table)
     print_table(f"the largest layer alone ({largest.out_features} x {largest.in_features})", largest_table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    parts = [*([args.model] if args.model != "smollm2" else []), *([args.tag] if args.tag else [])]
-    out = RESULTS / f"{'_'.join(['skinny_gemm', *parts])}.json"
+    out = RESULTS / f"skinny_gemm{model_tag(args.model)}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps({
         "model": MODELS[args.model][1], "machine": platform.machine(), "layers": len(linears),
         "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -129,10 +129,10 @@ def test_the_default_datastore_is_built_only_for_configs_that_draft_from_it(monk
     built = []
     monkeypatch.setattr(acceptance, "ensure_recipe_store", lambda name, model: built.append((name, model)))
     args = argparse.Namespace(option=[], concurrency=1)
-    acceptance.ensure_default_datastore(tmp_path, ["none", "suffix"], args)
+    acceptance.ensure_recipe_datastores(tmp_path, ["none", "suffix", "dresd_k32", "ngrammys_k8"], args)
     assert built == []
-    acceptance.ensure_default_datastore(tmp_path, ["none", "rest_k32", "rest_k8"], args)
+    acceptance.ensure_recipe_datastores(tmp_path, ["none", "rest_k32", "rest_k8"], args)
     assert built == [("python-code", tmp_path)]
     args.option = [("datastore", str(tmp_path / "store"))]
-    acceptance.ensure_default_datastore(tmp_path, ["rest_k32"], args)
+    acceptance.ensure_recipe_datastores(tmp_path, ["rest_k32"], args)
     assert len(built) == 1
