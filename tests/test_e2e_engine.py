@@ -94,6 +94,30 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
     assert output_index.stats.sequences_added > 0 and output_index.stats.builds > 0
 
 
+def test_requests_that_turn_speculation_off_are_served_exactly_without_drafts(model_dir, code_store, e2e_prompts,
+                                                                              baseline_runs):
+    """``extra_args`` (the API's ``vllm_xargs``) ``{"retrieval_spec_speculate": "off"}`` on every
+    other request: those take one token a step beside requests that speculate, all exact."""
+    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+
+    switches = [{SPECULATE_ARG: "off"} if index % 2 else None for index in range(len(e2e_prompts))]
+    options = {"datastore": str(code_store)}
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
+        mixed = generate(llm, e2e_prompts, E2E_MAX_TOKENS, concurrency=CONCURRENT, extra_args=switches)
+        all_off = generate(llm, e2e_prompts[:BATCH1_PROMPTS], E2E_MAX_TOKENS, concurrency=1,
+                           extra_args=[{SPECULATE_ARG: 0}] * BATCH1_PROMPTS)
+        flush_finished_requests(llm)
+        drafter = drafter_of(llm)
+    assert_same_token_ids(baseline_runs["concurrent"], mixed)
+    assert_same_token_ids(baseline_runs["batch1"], all_off)
+    off = [record for record, switch in zip(mixed.records, switches) if switch] + all_off.records
+    assert all(record.decode_steps == len(record.output_ids) - 1 for record in off)
+    speculating = [record for record, switch in zip(mixed.records, switches) if not switch]
+    assert sum(record.decode_steps for record in speculating) < sum(len(r.output_ids) - 1 for r in speculating)
+    assert all_off.counters.draft_tokens == 0 and mixed.counters.accepted_tokens > 0
+    assert drafter.stats.failures == 0 and not drafter.session.unspeculated  # forgotten as they finished
+
+
 def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e_prompts, baseline_runs):
     """With a fixed budget: at batch 1 on these prompts the goodput budget rightly verifies almost
     none of N-Grammys' drafts (~1.4 ms a draft token on this CPU for a ~15% chance), and this

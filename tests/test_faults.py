@@ -25,7 +25,7 @@ from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
 from vllm_retrieval_spec.evaluation.server import VllmServer, wait_until
-from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES
+from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES, SPECULATE_ARG
 
 from conftest import running_engine
 from scale import at_scale
@@ -58,6 +58,7 @@ CHAIN_ONLY_REQUESTS: dict[str, dict[str, Any]] = {
 # before our tree-mode admission sees them); without speculation they are served.
 REFUSED_BY_VLLM = ("min_p", "logit_bias")
 VLLM_REFUSAL = "The min_p and logit_bias sampling parameters are not yet supported with speculative decoding."
+SWITCH_REFUSAL = f'{SPECULATE_ARG} must be "on" or "off" (also true/false, 1/0), not '
 TREE_REFUSAL = ("{} cannot be used while the server verifies draft trees (retrieval_spec.tree); drop them or "
                 "serve without tree mode")
 
@@ -202,6 +203,8 @@ def cases(near_limit_ids: list[int]) -> dict[str, dict[str, Any]]:
         "stream, stop strings, logprobs": {"prompt": code, "max_tokens": 48, "stream": True, "stop": ["return"],
                                            "logprobs": 2},
         **{name: {"prompt": prompt, **extra} for name, extra in CHAIN_ONLY_REQUESTS.items()},
+        "speculation turned off by the request": {"prompt": code, "max_tokens": 48,
+                                                  "vllm_xargs": {SPECULATE_ARG: "off"}},
     }
 
 
@@ -320,6 +323,11 @@ class TestChainMode:
         assert_same_outputs(reference.records[:4], generate(rest_server, PROMPTS[:4], 4))
         assert DRAFTING_FAILED not in rest_server.log_text()
 
+    def test_a_speculation_switch_the_server_cannot_read_gets_400_naming_it(self, rest_server):
+        for value in ("maybe", 2, [0]):
+            reply = send(rest_server, {"prompt": PROMPTS[2], "vllm_xargs": {SPECULATE_ARG: value}})
+            assert reply.status == 400 and reply.error.startswith(SWITCH_REFUSAL), (value, reply)
+
     def test_bad_and_edge_requests_are_answered_as_without_speculation(self, rest_server, reference, near_limit_ids):
         assert_meaningful_cases(reference.replies)
         before = rest_server.spec_decode_counters()
@@ -347,6 +355,8 @@ class TestTreeMode:
             refusal = VLLM_REFUSAL if name in REFUSED_BY_VLLM else TREE_REFUSAL.format(name)
             reply = send(tree_server, {"prompt": PROMPTS[2], **extra})
             assert reply.status == 400 and reply.error.startswith(refusal), (name, reply)
+        reply = send(tree_server, {"prompt": PROMPTS[2], "vllm_xargs": {SPECULATE_ARG: "maybe"}})
+        assert reply.status == 400 and reply.error.startswith(SWITCH_REFUSAL), reply
         assert_same_outputs(reference.records[:1], generate(tree_server, PROMPTS[:1], 1))
 
     def test_deleting_the_datastore_while_serving_keeps_outputs_exact(self, tree_server, store_copy, reference):

@@ -83,6 +83,22 @@ def test_steps_publish_draft_budget_and_acceptance_counts():
     assert value("draft_tokens_total", labels, source="context") == 6 and value("drafting_seconds_count", labels) == 3
 
 
+def test_requests_that_turned_speculation_off_are_counted():
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+
+    proposer = PromptLookupProposer(fake_vllm_config())
+    session, labels = metered(proposer, budget=True)
+    assert step(session, proposer, [[2]]) == [[3, 1, 2]]
+    assert value("unspeculated_requests_total", labels) == 0
+    session.admit([SimpleNamespace(req_id="a", sampling_params=SamplingParams(extra_args={SPECULATE_ARG: "off"}))])
+    assert step(session, proposer, [[3, 1, 2, 9]]) == [[]] and step(session, proposer, [[5]]) == [[]]
+    assert value("unspeculated_requests_total", labels) == 2 and value("searched_requests_total", labels) == 1
+
+
 def test_fixed_budget_publishes_no_budget_series_and_failures_count():
     proposer = FailingEveryThirdStepProposer(fake_vllm_config())
     session, labels = metered(proposer, budget=False)

@@ -120,6 +120,7 @@ class RecordingSession:
         self.budget = budget
         self.output_index = None
         self.step_samples = None if samples is None else np.array(samples)
+        self.step_speculates = None
         self.trees = {}
         self.draft_q = {}
 
@@ -150,6 +151,73 @@ def test_budget_auto_drafts_when_verification_is_cheap_and_not_when_it_is_dear()
     dear.bind_session(RecordingSession(["a"], goodput_budget(1.0)))
     assert dear.propose([[2]], num_tokens, token_ids) == [[]]
     assert dear.session.budget.stats.skipped_rows == 1  # no node could pay: not even searched
+
+
+def test_a_request_that_turned_speculation_off_gets_no_drafts():
+    num_tokens, token_ids = vllm_buffers([[1, 2, 3, 1, 2], [1, 2, 3, 1, 2]])
+    proposer = PromptLookupProposer(fake_vllm_config())
+    session = RecordingSession(["off", "on"], goodput_budget(1e-5))
+    session.step_speculates = np.array([False, True])
+    proposer.bind_session(session)
+    assert proposer.propose([[2], [2]], num_tokens, token_ids) == [[], [3, 1, 2]]
+    assert proposer.stats.failures == 0 and proposer.stats.drafted_rows == 1
+    assert proposer.stats.unspeculated_rows == 1
+
+
+@pytest.mark.parametrize(("value", "wanted"), [("off", False), ("OFF", False), ("false", False), (0, False),
+                                               (0.0, False), (False, False), ("0", False), ("on", True),
+                                               ("True", True), (1, True), (True, True), ("1", True)])
+def test_a_requests_speculation_switch_reads_on_and_off(value, wanted):
+    from vllm import SamplingParams
+
+    from vllm_retrieval_spec.verification.admission import (
+        SPECULATE_ARG,
+        refuse_unreadable_speculation_switch,
+        turned_speculation_off,
+    )
+
+    params = SamplingParams(extra_args={SPECULATE_ARG: value})
+    refuse_unreadable_speculation_switch(params)
+    assert turned_speculation_off(params) is not wanted
+    assert not turned_speculation_off(SamplingParams()) and not turned_speculation_off(None)
+    assert not turned_speculation_off(SamplingParams(extra_args={"other": 0}))
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, -1, 0.5, None, [0], {"on": 1}])
+def test_a_speculation_switch_it_cannot_read_is_refused_naming_the_key(value):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_retrieval_spec.verification.admission import (
+        SPECULATE_ARG,
+        refuse_unreadable_speculation_switch,
+        turned_speculation_off,
+    )
+
+    params = SamplingParams(extra_args={SPECULATE_ARG: value})
+    with pytest.raises(VLLMValidationError, match=rf'^{SPECULATE_ARG} must be "on" or "off" .*vllm_xargs'):
+        refuse_unreadable_speculation_switch(params)
+    assert not turned_speculation_off(params)  # never raises where the engine reads it
+
+
+def test_the_session_keeps_a_requests_switch_until_it_finishes():
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+    from vllm_retrieval_spec.verification.session import SpecSession
+
+    session = SpecSession(tree_mode=False)
+    session.begin_step(["a"])
+    assert session.step_speculates is None  # nobody turned it off: no per-row mask at all
+    session.admit([SimpleNamespace(req_id="b", sampling_params=SamplingParams(extra_args={SPECULATE_ARG: "off"})),
+                   SimpleNamespace(req_id="c", sampling_params=SamplingParams())])
+    session.begin_step(["a", "b", "c"])
+    assert session.step_speculates.tolist() == [True, False, True]
+    session.release(["b"])
+    session.begin_step(["a", "c"])
+    assert session.step_speculates is None and not session.unspeculated
 
 
 def test_budget_auto_learns_from_the_next_step_and_trees_keep_parents_first():

@@ -124,29 +124,33 @@ _request_ids = itertools.count()
 
 
 def request_params(
-    count: int, max_tokens: int, seeds: Sequence[int] | None, sampling: Mapping[str, Any]
+    count: int, max_tokens: int, seeds: Sequence[int] | None, sampling: Mapping[str, Any],
+    extra_args: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> list[SamplingParams]:
     """Each request's sampling parameters: ``sampling`` (greedy unless it sets a temperature),
-    with request ``i`` seeded by ``seeds[i]`` when given."""
+    with request ``i`` seeded by ``seeds[i]`` and given ``extra_args[i]`` when they are given."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    if seeds is not None and (len(seeds) != count or "seed" in sampling):
-        raise ValueError(f"seeds: give one per prompt ({len(seeds)} for {count}) and no seed= beside them")
+    for name, per_request, shared_key in (("seeds", seeds, "seed"), ("extra_args", extra_args, "extra_args")):
+        if per_request is not None and (len(per_request) != count or shared_key in sampling):
+            raise ValueError(f"{name}: give one per prompt ({len(per_request)} for {count}) and no "
+                             f"{shared_key}= beside them")
     shared = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "output_kind": RequestOutputKind.DELTA}
-    if seeds is None:
+    if seeds is None and extra_args is None:
         return [SamplingParams(**shared)] * count
-    return [SamplingParams(**shared, seed=seed) for seed in seeds]
+    return [SamplingParams(**shared, seed=None if seeds is None else seeds[i],
+                           extra_args=None if extra_args is None else extra_args[i]) for i in range(count)]
 
 
 def generate(
     llm: LLM, prompts: Sequence[str], max_tokens: int, concurrency: int = 1, seeds: Sequence[int] | None = None,
-    **sampling: Any,
+    extra_args: Sequence[Mapping[str, Any] | None] | None = None, **sampling: Any,
 ) -> GenerationRun:
     """Generate with at most ``concurrency`` requests in flight (1 = batch 1), counting for
     every request the engine steps that gave it new tokens after its prefill; with ``seeds``,
-    prompt ``i`` samples with seed ``seeds[i]``."""
-    params = request_params(len(prompts), max_tokens, seeds, sampling)
+    prompt ``i`` samples with seed ``seeds[i]``, with ``extra_args`` it carries ``extra_args[i]``."""
+    params = request_params(len(prompts), max_tokens, seeds, sampling, extra_args)
     engine = llm.llm_engine
     pending = list(enumerate(prompts))[::-1]
     by_id: dict[str, dict[str, Any]] = {}

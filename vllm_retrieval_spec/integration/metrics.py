@@ -74,6 +74,8 @@ def _decisions(stats: BudgetStats) -> dict[str, int]:
 COUNTERS = (
     CounterSpec("searched_requests", "Request-steps our drafter searched (after the budget skipped searches).",
                 lambda c: c.proposer.rows),
+    CounterSpec("unspeculated_requests", "Request-steps not drafted for because the request turned speculation off "
+                "(vllm_xargs retrieval_spec_speculate).", lambda c: c.proposer.unspeculated_rows),
     CounterSpec("drafted_requests", "Request-steps sent at least one draft token.", lambda c: c.proposer.drafted_rows),
     CounterSpec("draft_tokens", "Draft tokens sent to verification, by the sources that proposed them.",
                 lambda c: c.proposer.draft_tokens_by_source, "source"),

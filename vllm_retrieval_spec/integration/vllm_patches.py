@@ -43,7 +43,11 @@ from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear,
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.proposers.registry import names_this_package
-from vllm_retrieval_spec.verification.admission import refuse_chain_only_features, refuse_unrepeatable_seeds
+from vllm_retrieval_spec.verification.admission import (
+    refuse_chain_only_features,
+    refuse_unreadable_speculation_switch,
+    refuse_unrepeatable_seeds,
+)
 from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
 from vllm_retrieval_spec.verification.step_attention import StepAttention, step_attention_serves
@@ -292,6 +296,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     def start_runner_step(original: Callable) -> Callable:
         def _update_states(scheduler_output, *args, **kwargs):
             session.runner_step_began()
+            session.admit(scheduler_output.scheduled_new_reqs)
             finished = scheduler_output.finished_req_ids
             if finished:
                 session.release(finished, _finished_tokens(runner, finished) if session.learns_from_finished_tokens()
@@ -702,19 +707,20 @@ def _input_processor_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         if tree_mode_enabled(vllm_config):
-            _hook(self, "_validate_params", _also(refuse_chain_only_features))
+            _hook(self, "_validate_params", _also(refuse_chain_only_features, refuse_unreadable_speculation_switch))
         elif runs_our_proposer(vllm_config):
-            _hook(self, "_validate_params", _also(refuse_unrepeatable_seeds))
+            _hook(self, "_validate_params", _also(refuse_unrepeatable_seeds, refuse_unreadable_speculation_switch))
 
     return __init__
 
 
-def _also(refuse: Callable[[object], None]) -> Callable[[Callable], Callable]:
-    """A ``_validate_params`` wrapper that also runs ``refuse`` on the request's parameters."""
+def _also(*refusals: Callable[[object], None]) -> Callable[[Callable], Callable]:
+    """A ``_validate_params`` wrapper that also runs each of ``refusals`` on the request's parameters."""
     def make(original: Callable) -> Callable:
         def _validate_params(params, *args, **kwargs):
             result = original(params, *args, **kwargs)
-            refuse(params)
+            for refuse in refusals:
+                refuse(params)
             return result
 
         return _validate_params

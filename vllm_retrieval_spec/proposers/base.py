@@ -54,6 +54,7 @@ class DraftSession(Protocol):
     learned_dense: LearnedDenseIndex | None  # the dense index learned from served traffic, when we gave one
     step_hidden_states: torch.Tensor | None  # [rows, hidden] this step, when needs_hidden_states()
     step_samples: np.ndarray | None  # [rows] bool this step: the row's request samples (temperature > 0)
+    step_speculates: np.ndarray | None  # [rows] bool this step: the row's request lets us draft (None: all do)
 
     def publish(self, trees: Mapping[int, DraftTree], draft_q: Mapping[int, DraftQ] | None = None) -> None:
         """This step's trees by input-batch row, and the draft distributions of the rows whose
@@ -117,6 +118,7 @@ class ProposerStats:
 
     steps: int = 0
     rows: int = 0
+    unspeculated_rows: int = 0  # request-steps not drafted for: the request turned speculation off
     drafted_rows: int = 0
     draft_tokens: int = 0
     draft_tokens_by_source: dict[str, int] = field(default_factory=dict)  # by ``drafts.source_label``
@@ -301,12 +303,17 @@ class DraftProposer(abc.ABC):
     def _rows_needing_drafts(
         self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray
     ) -> DraftBatch:
-        """Rows that sampled tokens this step (not prefill chunks or discarded rows) and
-        have room before ``max_model_len``."""
+        """Rows that sampled tokens this step (not prefill chunks or discarded rows), have room
+        before ``max_model_len`` and whose request did not turn speculation off."""
         sampled = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=len(sampled_token_ids))
         room = self.max_model_len - num_tokens[: len(sampled)].astype(np.int64) - 1
         budgets = np.minimum(self.num_speculative_tokens, room)
-        rows = np.flatnonzero((sampled > 0) & (budgets > 0)).astype(np.int32)
+        wanted = (sampled > 0) & (budgets > 0)
+        speculates = None if self.session is None else self.session.step_speculates
+        if speculates is not None:
+            self.stats.unspeculated_rows += int(np.count_nonzero(wanted & ~speculates[: len(sampled)]))
+            wanted &= speculates[: len(sampled)]
+        rows = np.flatnonzero(wanted).astype(np.int32)
         return DraftBatch(token_ids=token_ids, num_tokens=num_tokens, rows=rows,
                           budgets=budgets[rows].astype(np.int32),
                           trees=self.candidate_tree_size() > 0 and self.session is not None)

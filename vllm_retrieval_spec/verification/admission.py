@@ -1,11 +1,13 @@
 """Admission control: in tree mode, sampling features that treat drafts as a sequence are
 refused when a request arrives (HTTP 400 on the server) instead of silently changing the
 output of a tree step; in chain mode, seeded requests with features the keyed sampler does not
-apply at every position (their tokens would not repeat)."""
+apply at every position (their tokens would not repeat). In both, a request's own switch for
+speculation (:data:`SPECULATE_ARG`) is read here, and a value it cannot mean is refused."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
@@ -56,3 +58,40 @@ def refuse_unrepeatable_seeds(params: object) -> None:
             "allowed_token_ids, min_tokens and structured outputs; drop them or the seed",
             parameter=used[0],
         )
+
+
+# A request's own switch (``SamplingParams.extra_args``; the OpenAI API's ``vllm_xargs``): "off"
+# serves it without drafts, whatever the server's speculative config; on by default.
+SPECULATE_ARG = "retrieval_spec_speculate"
+_SPECULATE_VALUES: dict[Any, bool] = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False,
+                                      True: True, False: False}  # 1 and 0 (and 1.0, 0.0) hash as True and False
+_UNREADABLE = object()
+
+
+def _speculation_switch(params: object) -> object:
+    """The request's :data:`SPECULATE_ARG` as True / False, None when it gives none, else
+    ``_UNREADABLE``."""
+    extra = getattr(params, "extra_args", None)
+    if not extra or SPECULATE_ARG not in extra:
+        return None
+    value = extra[SPECULATE_ARG]
+    try:
+        return _SPECULATE_VALUES[value.lower() if isinstance(value, str) else value]
+    except (KeyError, TypeError):
+        return _UNREADABLE
+
+
+def refuse_unreadable_speculation_switch(params: object) -> None:
+    """Reject (HTTP 400 on the server) a :data:`SPECULATE_ARG` that is not on/off, true/false or 1/0."""
+    if _speculation_switch(params) is _UNREADABLE:
+        raise VLLMValidationError(
+            f"{SPECULATE_ARG} must be \"on\" or \"off\" (also true/false, 1/0), not "
+            f"{params.extra_args[SPECULATE_ARG]!r}: set it in vllm_xargs (SamplingParams.extra_args) to serve this "
+            "request with or without speculation",
+            parameter=SPECULATE_ARG,
+        )
+
+
+def turned_speculation_off(params: object) -> bool:
+    """Whether the request's own switch says not to draft for it (admission refused any other value)."""
+    return _speculation_switch(params) is False

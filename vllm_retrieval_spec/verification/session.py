@@ -50,6 +50,7 @@ from vllm_retrieval_spec.goodput import GoodputBudget
 from vllm_retrieval_spec.goodput.cost_model import tree_work
 from vllm_retrieval_spec.kernels.attention import KVLayout, TreeNodes
 from vllm_retrieval_spec.verification import tree_attention as ops
+from vllm_retrieval_spec.verification.admission import turned_speculation_off
 from vllm_retrieval_spec.verification.step_attention import StepAttention
 from vllm_retrieval_spec.verification.trees import DraftTree, TreeStepPlan
 
@@ -116,6 +117,8 @@ class SpecSession:
     requests: dict[str, RequestState] = field(default_factory=dict)
     step_req_ids: list[str] = field(default_factory=list)
     step_samples: np.ndarray | None = None  # [rows] bool: the row's request samples (temperature > 0)
+    step_speculates: np.ndarray | None = None  # [rows] bool: the row's request lets us draft (None: all do)
+    unspeculated: set[str] = field(default_factory=set)  # running requests that turned speculation off
     step: int = 0
     plan: TreeStepPlan | None = None
     layout_checked: bool = False
@@ -151,6 +154,14 @@ class SpecSession:
         self.step += 1
         self.step_req_ids = list(req_ids)
         self.step_samples = samples
+        self.step_speculates = None if not self.unspeculated else np.fromiter(
+            (req_id not in self.unspeculated for req_id in self.step_req_ids), bool, len(self.step_req_ids))
+
+    def admit(self, new_requests: Iterable[object]) -> None:
+        """Requests the runner starts this step (vLLM's ``NewRequestData``): remember those whose
+        own switch turned speculation off (``admission.SPECULATE_ARG``) until they finish."""
+        self.unspeculated.update(request.req_id for request in new_requests
+                                 if turned_speculation_off(request.sampling_params))
 
     def runner_step_began(self) -> None:
         """The runner started a step (``execute_model``): what came before it since the last
@@ -241,6 +252,7 @@ class SpecSession:
             self.learned_dense.forget(req_id for req_id in req_ids if req_id not in tokens)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+        self.unspeculated.difference_update(req_ids)
         if self.live_index is not None:
             self.live_index.remove(req_ids)
 
