@@ -200,6 +200,35 @@ def test_tree_verification_samples_at_temperature(model_dir, code_store, e2e_pro
     assert all(len(record.output_ids) == E2E_MAX_TOKENS for record in run.records)
 
 
+def test_tree_steps_serve_sequence_features_of_requests_that_turned_speculation_off(model_dir, code_store,
+                                                                                   e2e_prompts):
+    """Tree mode admits penalties, bad words and allowed token ids in requests that turned
+    speculation off; in steps where the others' trees branch they get what vLLM gives them alone."""
+    from vllm import SamplingParams
+
+    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+
+    features = [{"bad_words": ["return", " if"]}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.8},
+                {"allowed_token_ids": list(range(20, 2000))}]
+    prompts = e2e_prompts[:2 * len(features)]
+    plain = SamplingParams(temperature=0.0, max_tokens=E2E_MAX_TOKENS)
+    featured = [SamplingParams(temperature=0.0, max_tokens=E2E_MAX_TOKENS, extra_args={SPECULATE_ARG: "off"},
+                               **extra) for extra in features]
+    params = [plain if index % 2 else featured[index // 2] for index in range(len(prompts))]
+
+    def token_ids(llm, request_params) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, request_params, use_tqdm=False)]
+
+    with running_engine(EngineSpec(model_dir, max_num_seqs=CONCURRENT)) as llm:
+        expected, greedy = token_ids(llm, params), token_ids(llm, [plain] * len(prompts))
+    options = {"datastore": str(code_store), "tree": True, "budget": "fixed"}
+    with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
+        assert token_ids(llm, params) == expected
+        drafter = drafter_of(llm)
+    assert all(expected[i] != greedy[i] for i in range(0, len(prompts), 2))  # each feature changed its output
+    assert drafter.session.stats.tree_steps > 0 and drafter.stats.unspeculated_rows > 0
+
+
 def test_failing_proposer_keeps_the_engine_alive_and_exact(model_dir, e2e_prompts, baseline_runs):
     spec = speculative(model_dir, "vrs_test_proposers.FailingEveryThirdStepProposer")
     with running_engine(spec) as llm:

@@ -59,8 +59,8 @@ CHAIN_ONLY_REQUESTS: dict[str, dict[str, Any]] = {
 REFUSED_BY_VLLM = ("min_p", "logit_bias")
 VLLM_REFUSAL = "The min_p and logit_bias sampling parameters are not yet supported with speculative decoding."
 SWITCH_REFUSAL = f'{SPECULATE_ARG} must be "on" or "off" (also true/false, 1/0), not '
-TREE_REFUSAL = ("{} cannot be used while the server verifies draft trees (retrieval_spec.tree); drop them or "
-                "serve without tree mode")
+TREE_REFUSAL = ("{} cannot be used while the server verifies draft trees (retrieval_spec.tree); drop them, turn "
+                f"speculation off for this request (vllm_xargs {SPECULATE_ARG}: off) or serve without tree mode")
 
 
 # --- Requests and replies ---------------------------------------------------------------------
@@ -358,6 +358,18 @@ class TestTreeMode:
         reply = send(tree_server, {"prompt": PROMPTS[2], "vllm_xargs": {SPECULATE_ARG: "maybe"}})
         assert reply.status == 400 and reply.error.startswith(SWITCH_REFUSAL), reply
         assert_same_outputs(reference.records[:1], generate(tree_server, PROMPTS[:1], 1))
+
+    def test_requests_that_turn_speculation_off_may_use_those_features(self, tree_server, reference):
+        """Served undrafted, beside requests whose trees branch, exactly as without speculation."""
+        served = [name for name in CHAIN_ONLY_REQUESTS if name not in REFUSED_BY_VLLM]
+        requests = {name: {"prompt": PROMPTS[2], **CHAIN_ONLY_REQUESTS[name], "vllm_xargs": {SPECULATE_ARG: "off"}}
+                    for name in served}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            speculating = pool.submit(generate, tree_server, PROMPTS[:8], 8)
+            replies = send_all(tree_server, requests)
+            assert_same_outputs(reference.records[:8], speculating.result())
+        for name in served:
+            assert_same_reply(reference.replies[name], replies[name], name)
 
     def test_deleting_the_datastore_while_serving_keeps_outputs_exact(self, tree_server, store_copy, reference):
         """The store's files are memory-mapped: deleted mid-run, their pages stay valid."""

@@ -1,8 +1,9 @@
 """Admission control: in tree mode, sampling features that treat drafts as a sequence are
 refused when a request arrives (HTTP 400 on the server) instead of silently changing the
-output of a tree step; in chain mode, seeded requests with features the keyed sampler does not
-apply at every position (their tokens would not repeat). In both, a request's own switch for
-speculation (:data:`SPECULATE_ARG`) is read here, and a value it cannot mean is refused."""
+output of a tree step, unless the request turned speculation off; in chain mode, seeded requests
+with features the keyed sampler does not apply at every position (their tokens would not
+repeat). In both, a request's own switch for speculation (:data:`SPECULATE_ARG`) is read here,
+and a value it cannot mean is refused."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ CHAIN_ONLY_FEATURES: dict[str, Callable[[SamplingParams], bool]] = {
 
 def refuse_chain_only_features(params: object) -> None:
     """Reject (HTTP 400 on the server) sampling features tree verification does not apply to
-    draft nodes, instead of silently changing the output."""
-    if not isinstance(params, SamplingParams):  # pooling requests
+    draft nodes, instead of silently changing the output; a request that turned speculation off
+    gets no drafts, so it may use them."""
+    if not isinstance(params, SamplingParams) or turned_speculation_off(params):  # pooling requests; undrafted
         return
     used = [name for name, in_use in CHAIN_ONLY_FEATURES.items() if in_use(params)]
     if used:
         raise VLLMValidationError(
             f"{', '.join(used)} cannot be used while the server verifies draft trees "
-            "(retrieval_spec.tree); drop them or serve without tree mode",
+            f"(retrieval_spec.tree); drop them, turn speculation off for this request (vllm_xargs "
+            f"{SPECULATE_ARG}: off) or serve without tree mode",
             parameter=used[0],
         )
 

@@ -57,13 +57,16 @@ class TreeRejectionSampler(RejectionSampler):
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         keyed = keyed_rows(sampling_metadata, len(plan.offsets) - 1) & ~drawn_rows(plan)
         scores = logits = logits.to(torch.float32)
-        if processes_drafts_as_a_sequence(sampling_metadata) and not plan.is_branching():
-            if not keyed.any():
+        if processes_drafts_as_a_sequence(sampling_metadata):
+            branching = plan.is_branching()
+            if not (branching or keyed.any()):
                 self._session.plan = None
                 probs = None if plan.draft_q is None else torch.from_numpy(chain_draft_probs(plan, logits.shape[1]))
                 return super().forward(metadata, None if probs is None else probs.to(logits.device), logits,
                                        sampling_metadata)
-            scores = self._processed_as_a_sequence(metadata, logits, sampling_metadata)
+            # A step with branching trees holds such requests only undrafted (tree mode admits them
+            # only with speculation turned off): their one row, the bonus row, is all they need processed.
+            scores = self._processed_as_a_sequence(metadata, logits, sampling_metadata, at_drafts=not branching)
         rows = plan.logit_rows()
         node_scores = scores if rows is None else scores[torch.from_numpy(rows).to(logits.device)]
         out_tokens, path_nodes, num_accepted = self._accept(plan, node_scores, keyed, metadata, sampling_metadata)
@@ -75,13 +78,16 @@ class TreeRejectionSampler(RejectionSampler):
                                            sampling_metadata, path_nodes, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    def _processed_as_a_sequence(self, metadata, logits: torch.Tensor, sampling_metadata) -> torch.Tensor:
+    def _processed_as_a_sequence(self, metadata, logits: torch.Tensor, sampling_metadata,
+                                 at_drafts: bool = True) -> torch.Tensor:
         """The logits vLLM's rejection sampler samples from in a chain step: penalties, bad
         words, allowed token ids, min_tokens and thinking budgets applied along each chain by its
-        own processors, at the draft rows and (as its sampler does) at the bonus rows."""
+        own processors, at the draft rows (unless not ``at_drafts``) and, as its sampler does, at
+        the bonus rows."""
         processed = logits.clone()
         target, bonus = metadata.target_logits_indices, metadata.bonus_logits_indices
-        processed[target] = self.apply_logits_processors(processed[target], sampling_metadata, metadata)
+        if at_drafts:
+            processed[target] = self.apply_logits_processors(processed[target], sampling_metadata, metadata)
         processed[bonus] = self.sampler.apply_logits_processors(processed[bonus], sampling_metadata,
                                                                 predict_bonus_token=True)
         return processed
@@ -162,7 +168,7 @@ def processed_logits(rows: torch.Tensor, sampling_metadata, width: int) -> torch
 def processes_drafts_as_a_sequence(sampling_metadata) -> bool:
     """Whether a request of the batch uses sampling features vLLM's rejection sampler applies
     to drafts as a sequence (penalties, bad words, allowed token ids, min_tokens, a thinking
-    budget); tree mode refuses them at admission."""
+    budget); tree mode admits them only in requests that turned speculation off."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
     holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
