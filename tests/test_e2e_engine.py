@@ -216,17 +216,25 @@ def test_tree_steps_serve_sequence_features_of_requests_that_turned_speculation_
                                **extra) for extra in features]
     params = [plain if index % 2 else featured[index // 2] for index in range(len(prompts))]
 
+    def outputs(llm, request_params) -> list:
+        return [out.outputs[0] for out in llm.generate(prompts, request_params, use_tqdm=False)]
+
     def token_ids(llm, request_params) -> list[list[int]]:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, request_params, use_tqdm=False)]
+        return [list(output.token_ids) for output in outputs(llm, request_params)]
 
     with running_engine(EngineSpec(model_dir, max_num_seqs=CONCURRENT)) as llm:
         expected, greedy = token_ids(llm, params), token_ids(llm, [plain] * len(prompts))
     options = {"datastore": str(code_store), "tree": True, "budget": "fixed"}
-    with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES)) as llm:
-        assert token_ids(llm, params) == expected
+    spec = dataclasses.replace(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options, k=TREE_NODES),
+                               per_request_spec_decode_metrics="summary")
+    with running_engine(spec) as llm:
+        served = outputs(llm, params)
         drafter = drafter_of(llm)
+    assert [list(output.token_ids) for output in served] == expected
     assert all(expected[i] != greedy[i] for i in range(0, len(prompts), 2))  # each feature changed its output
     assert drafter.session.stats.tree_steps > 0 and drafter.stats.unspeculated_rows > 0
+    drafted = [output.spec_decode_metrics.num_draft_tokens for output in served]  # vLLM's per-request metrics
+    assert drafted[0::2] == [0] * len(features) and all(drafted[1::2])
 
 
 def test_failing_proposer_keeps_the_engine_alive_and_exact(model_dir, e2e_prompts, baseline_runs):

@@ -38,6 +38,7 @@ class EngineSpec:
     seed: int = 0
     block_size: int | None = None  # KV cache block (None: the platform's); prefix caching reuses full blocks
     max_num_batched_tokens: int | None = None  # tokens per step (None: vLLM's); longer prompts are chunked
+    per_request_spec_decode_metrics: str | None = None  # vLLM's per-request acceptance ("summary", "detailed")
 
 
 def build_llm(spec: EngineSpec) -> LLM:
@@ -55,7 +56,8 @@ def build_llm(spec: EngineSpec) -> LLM:
         disable_log_stats=False,
         seed=spec.seed,
         **{key: value for key, value in (("block_size", spec.block_size),
-                                         ("max_num_batched_tokens", spec.max_num_batched_tokens))
+                                         ("max_num_batched_tokens", spec.max_num_batched_tokens),
+                                         ("per_request_spec_decode_metrics", spec.per_request_spec_decode_metrics))
            if value is not None},
     )
     _count_spec_decoding(llm)
