@@ -53,11 +53,15 @@ CHAIN_ONLY_REQUESTS: dict[str, dict[str, Any]] = {
     "logit_bias": {"logit_bias": {"1351": 5.0}},
     "allowed_token_ids": {"allowed_token_ids": list(range(20, 2000))},
     "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "thinking_token_budget": {"thinking_token_budget": 8},
 }
 # vLLM itself refuses these with any speculative method (``SamplingParams``' speculative check,
 # before our tree-mode admission sees them); without speculation they are served.
 REFUSED_BY_VLLM = ("min_p", "logit_bias")
 VLLM_REFUSAL = "The min_p and logit_bias sampling parameters are not yet supported with speculative decoding."
+# A thinking budget needs a reasoning parser, which these servers do not have: vLLM refuses it
+# first, with or without speculation (our refusal is asserted in tests/test_proposer_base.py).
+NO_REASONING_REFUSAL = "thinking_token_budget is set but reasoning_config is not configured."
 SWITCH_REFUSAL = f'{SPECULATE_ARG} must be "on" or "off" (also true/false, 1/0), not '
 TREE_REFUSAL = ("{} cannot be used while the server verifies draft trees (retrieval_spec.tree); drop them, turn "
                 f"speculation off for this request (vllm_xargs {SPECULATE_ARG}: off) or serve without tree mode")
@@ -212,7 +216,8 @@ def assert_meaningful_cases(replies: Mapping[str, Reply]) -> None:
     """The cases test what they are named after (in the no-speculation replies)."""
     refused = {name for name, reply in replies.items() if reply.status != 200}
     assert refused == {"prompt of max_model_len", "prompt longer than max_model_len", "max_tokens above max_model_len",
-                       "empty prompt", "empty token prompt", "n > 1 greedy (refused by vLLM)"}
+                       "empty prompt", "empty token prompt", "n > 1 greedy (refused by vLLM)",
+                       "thinking_token_budget"}
     up_to_limit = replies["up to max_model_len"].choices[0]
     assert (len(up_to_limit.token_ids), up_to_limit.finish_reason) == (24, "length")
     assert len(replies["one token below max_model_len"].choices[0].token_ids) == 1
@@ -352,7 +357,8 @@ class TestTreeMode:
     def test_features_tree_mode_cannot_serve_get_400_with_the_reason(self, tree_server, reference):
         assert set(CHAIN_ONLY_REQUESTS) == set(CHAIN_ONLY_FEATURES)
         for name, extra in CHAIN_ONLY_REQUESTS.items():
-            refusal = VLLM_REFUSAL if name in REFUSED_BY_VLLM else TREE_REFUSAL.format(name)
+            refusal = (VLLM_REFUSAL if name in REFUSED_BY_VLLM else NO_REASONING_REFUSAL
+                       if name == "thinking_token_budget" else TREE_REFUSAL.format(name))
             reply = send(tree_server, {"prompt": PROMPTS[2], **extra})
             assert reply.status == 400 and reply.error.startswith(refusal), (name, reply)
         reply = send(tree_server, {"prompt": PROMPTS[2], "vllm_xargs": {SPECULATE_ARG: "maybe"}})

@@ -200,6 +200,19 @@ def test_a_speculation_switch_it_cannot_read_is_refused_naming_the_key(value):
     assert not turned_speculation_off(params)  # never raises where the engine reads it
 
 
+@pytest.mark.parametrize("feature", [{"presence_penalty": 0.5}, {"min_tokens": 4}, {"thinking_token_budget": 8}])
+def test_tree_mode_admits_sequence_features_only_in_requests_that_turned_speculation_off(feature):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG, refuse_chain_only_features
+
+    name = next(iter(feature))
+    with pytest.raises(VLLMValidationError, match=rf"^{name} cannot be used .* {SPECULATE_ARG}: off\)"):
+        refuse_chain_only_features(SamplingParams(**feature))
+    refuse_chain_only_features(SamplingParams(**feature, extra_args={SPECULATE_ARG: "off"}))
+
+
 def test_the_session_keeps_a_requests_switch_until_it_finishes():
     from types import SimpleNamespace
 

@@ -23,6 +23,7 @@ CHAIN_ONLY_FEATURES: dict[str, Callable[[SamplingParams], bool]] = {
     "logit_bias": lambda p: bool(p.logit_bias),
     "allowed_token_ids": lambda p: bool(p.allowed_token_ids),
     "structured_outputs": lambda p: p.structured_outputs is not None,
+    "thinking_token_budget": lambda p: p.thinking_token_budget is not None,
 }
 
 
