@@ -98,7 +98,7 @@ def test_requests_that_turn_speculation_off_are_served_exactly_without_drafts(mo
                                                                               baseline_runs):
     """``extra_args`` (the API's ``vllm_xargs``) ``{"retrieval_spec_speculate": "off"}`` on every
     other request: those take one token a step beside requests that speculate, all exact."""
-    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+    from vllm_retrieval_spec.options import SPECULATE_ARG
 
     switches = [{SPECULATE_ARG: "off"} if index % 2 else None for index in range(len(e2e_prompts))]
     options = {"datastore": str(code_store)}
@@ -206,7 +206,7 @@ def test_tree_steps_serve_sequence_features_of_requests_that_turned_speculation_
     speculation off; in steps where the others' trees branch they get what vLLM gives them alone."""
     from vllm import SamplingParams
 
-    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+    from vllm_retrieval_spec.options import SPECULATE_ARG
 
     features = [{"bad_words": ["return", " if"]}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.8},
                 {"allowed_token_ids": list(range(20, 2000))}]

@@ -25,7 +25,8 @@ from vllm_retrieval_spec.evaluation.engine import EngineSpec, drafter_of
 from vllm_retrieval_spec.evaluation.metrics import GenerationRecord
 from vllm_retrieval_spec.evaluation.prompts import humaneval_prompts
 from vllm_retrieval_spec.evaluation.server import VllmServer, wait_until
-from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES, SPECULATE_ARG
+from vllm_retrieval_spec.options import SPECULATE_ARG
+from vllm_retrieval_spec.verification.admission import CHAIN_ONLY_FEATURES
 
 from conftest import running_engine
 from scale import at_scale

@@ -39,6 +39,7 @@ from vllm_retrieval_spec.evaluation.load import (
     synthetic_requests,
 )
 from vllm_retrieval_spec.evaluation.server import VllmServer, free_port, wait_until
+from vllm_retrieval_spec.options import SPECULATE_ARG
 
 from conftest import PLAIN_SERVER_SEQUENCES, build_stdlib_store, stdlib_inputs
 from scale import at_scale
@@ -338,6 +339,11 @@ def test_the_mixed_load_is_what_a_shared_server_sees():
     assert min(temperatures) >= 0.3 and max(temperatures) <= 1.2
     for key in ("top_p", "top_k", "seed", "n", "stop", "repetition_penalty"):
         assert any(key in s for s in sampling), key
+    switched_off = sum(s.get("vllm_xargs") == {SPECULATE_ARG: "off"} for s in sampling)
+    assert 0.05 < switched_off / 400 < 0.15
+    switched = next(r for r in requests if "vllm_xargs" in r.sampling)
+    arguments = load._create_arguments(switched, LoadSettings("m", temperature=0.0))
+    assert arguments["extra_body"]["vllm_xargs"] == {SPECULATE_ARG: "off"}
     assert any(r.messages for r in requests) and any(r.prompt for r in requests)
     lengths = [len(r.prompt) for r in requests if r.prompt]
     assert max(lengths) > 3 * min(lengths)  # short and long prompts

@@ -88,7 +88,7 @@ def test_requests_that_turned_speculation_off_are_counted():
 
     from vllm import SamplingParams
 
-    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+    from vllm_retrieval_spec.options import SPECULATE_ARG
 
     proposer = PromptLookupProposer(fake_vllm_config())
     session, labels = metered(proposer, budget=True)

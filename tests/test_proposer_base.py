@@ -170,11 +170,8 @@ def test_a_request_that_turned_speculation_off_gets_no_drafts():
 def test_a_requests_speculation_switch_reads_on_and_off(value, wanted):
     from vllm import SamplingParams
 
-    from vllm_retrieval_spec.verification.admission import (
-        SPECULATE_ARG,
-        refuse_unreadable_speculation_switch,
-        turned_speculation_off,
-    )
+    from vllm_retrieval_spec.options import SPECULATE_ARG
+    from vllm_retrieval_spec.verification.admission import refuse_unreadable_speculation_switch, turned_speculation_off
 
     params = SamplingParams(extra_args={SPECULATE_ARG: value})
     refuse_unreadable_speculation_switch(params)
@@ -188,11 +185,8 @@ def test_a_speculation_switch_it_cannot_read_is_refused_naming_the_key(value):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_retrieval_spec.verification.admission import (
-        SPECULATE_ARG,
-        refuse_unreadable_speculation_switch,
-        turned_speculation_off,
-    )
+    from vllm_retrieval_spec.options import SPECULATE_ARG
+    from vllm_retrieval_spec.verification.admission import refuse_unreadable_speculation_switch, turned_speculation_off
 
     params = SamplingParams(extra_args={SPECULATE_ARG: value})
     with pytest.raises(VLLMValidationError, match=rf'^{SPECULATE_ARG} must be "on" or "off" .*vllm_xargs'):
@@ -205,7 +199,8 @@ def test_tree_mode_admits_sequence_features_only_in_requests_that_turned_specula
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG, refuse_chain_only_features
+    from vllm_retrieval_spec.options import SPECULATE_ARG
+    from vllm_retrieval_spec.verification.admission import refuse_chain_only_features
 
     name = next(iter(feature))
     with pytest.raises(VLLMValidationError, match=rf"^{name} cannot be used .* {SPECULATE_ARG}: off\)"):
@@ -218,7 +213,7 @@ def test_the_session_keeps_a_requests_switch_until_it_finishes():
 
     from vllm import SamplingParams
 
-    from vllm_retrieval_spec.verification.admission import SPECULATE_ARG
+    from vllm_retrieval_spec.options import SPECULATE_ARG
     from vllm_retrieval_spec.verification.session import SpecSession
 
     session = SpecSession(tree_mode=False)

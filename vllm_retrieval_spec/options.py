@@ -15,6 +15,9 @@ from typing import Any
 from vllm_retrieval_spec.validation import has_type, require_ints
 
 OPTIONS_KEY = "retrieval_spec"
+# A request's own switch (``SamplingParams.extra_args``; the OpenAI API's ``vllm_xargs``): "off"
+# serves it without drafts (verification/admission.py reads it); on by default.
+SPECULATE_ARG = "retrieval_spec_speculate"
 MIXING_POLICIES = ("context-first", "context-only", "bigram-only")
 MAX_SPEC_LEN = 128  # vLLM's rejection sampler asserts at most this many drafts a request (vllm.v1.sample)
 BUDGET_POLICIES = ("auto", "fixed")

@@ -21,6 +21,7 @@ import numpy as np
 
 from vllm_retrieval_spec.evaluation.client import async_openai_client, openai_client
 from vllm_retrieval_spec.evaluation.prompts import PromptForm, humaneval_messages, humaneval_prompts
+from vllm_retrieval_spec.options import SPECULATE_ARG
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -126,15 +127,18 @@ def synthetic_requests(
 def mixed_requests(count: int, max_tokens: int, seed: int = 0) -> list[LoadRequest]:
     """``count`` requests as a shared server sees them (seeded): chat and completion prompts,
     short and long (several HumanEval problems in one), greedy and sampled (temperature
-    0.3–1.2, top-p, top-k, seeds, ``n`` = 2), some with penalties or stop strings, up to
-    ``max_tokens`` new tokens each."""
-    rng = random.Random(seed)
+    0.3–1.2, top-p, top-k, seeds, ``n`` = 2), some with penalties or stop strings, a tenth turning
+    speculation off for themselves (servers without our plugin ignore it), up to ``max_tokens``
+    new tokens each."""
+    rng, switches = random.Random(seed), random.Random(f"speculation-switch-{seed}")
     chats, raws = humaneval_messages(), humaneval_prompts(None, "raw")
     requests = []
     for _ in range(count):
         shape = rng.random()
         tokens = rng.choice((max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens))
         sampling = _mixed_sampling(rng)
+        if switches.random() < 0.1:
+            sampling["vllm_xargs"] = {SPECULATE_ARG: "off"}
         if shape < 0.55:
             requests.append(LoadRequest(messages=rng.choice(chats), max_tokens=tokens, sampling=sampling))
         else:

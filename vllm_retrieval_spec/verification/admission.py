@@ -13,6 +13,8 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
+from vllm_retrieval_spec.options import SPECULATE_ARG
+
 CHAIN_ONLY_FEATURES: dict[str, Callable[[SamplingParams], bool]] = {
     "presence_penalty": lambda p: p.presence_penalty != 0.0,
     "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
@@ -64,9 +66,6 @@ def refuse_unrepeatable_seeds(params: object) -> None:
         )
 
 
-# A request's own switch (``SamplingParams.extra_args``; the OpenAI API's ``vllm_xargs``): "off"
-# serves it without drafts, whatever the server's speculative config; on by default.
-SPECULATE_ARG = "retrieval_spec_speculate"
 _SPECULATE_VALUES: dict[Any, bool] = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False,
                                       True: True, False: False}  # 1 and 0 (and 1.0, 0.0) hash as True and False
 _UNREADABLE = object()
