@@ -707,9 +707,9 @@ def _input_processor_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         if tree_mode_enabled(vllm_config):
-            _hook(self, "_validate_params", _also(refuse_chain_only_features, refuse_unreadable_speculation_switch))
+            _hook(self, "_validate_params", _also(refuse_unreadable_speculation_switch, refuse_chain_only_features))
         elif runs_our_proposer(vllm_config):
-            _hook(self, "_validate_params", _also(refuse_unrepeatable_seeds, refuse_unreadable_speculation_switch))
+            _hook(self, "_validate_params", _also(refuse_unreadable_speculation_switch, refuse_unrepeatable_seeds))
 
     return __init__
 
