@@ -83,7 +83,7 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     VllmSymbol("vllm.engine.arg_utils", "EngineArgs.shutdown_timeout", FIELD),
     *_many("vllm.v1.core.sched.output", "SchedulerOutput", FIELD,
            "finished_req_ids total_num_scheduled_tokens scheduled_spec_decode_tokens scheduled_new_reqs"),
-    # a request's own speculation switch (admission.SPECULATE_ARG), read as the runner starts it
+    # a request's own speculation switch (options.SPECULATE_ARG), read as the runner starts it
     *_many("vllm.v1.core.sched.output", "NewRequestData", FIELD, "req_id sampling_params"),
     VllmSymbol("vllm.sampling_params", "SamplingParams.extra_args", FIELD),
     *_many("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", FIELD,

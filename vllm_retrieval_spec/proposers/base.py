@@ -311,8 +311,9 @@ class DraftProposer(abc.ABC):
         wanted = (sampled > 0) & (budgets > 0)
         speculates = None if self.session is None else self.session.step_speculates
         if speculates is not None:
-            self.stats.unspeculated_rows += int(np.count_nonzero(wanted & ~speculates[: len(sampled)]))
-            wanted &= speculates[: len(sampled)]
+            speculates = speculates[: len(sampled)]
+            self.stats.unspeculated_rows += int(np.count_nonzero(wanted & ~speculates))
+            wanted &= speculates
         rows = np.flatnonzero(wanted).astype(np.int32)
         return DraftBatch(token_ids=token_ids, num_tokens=num_tokens, rows=rows,
                           budgets=budgets[rows].astype(np.int32),

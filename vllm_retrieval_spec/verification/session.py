@@ -159,7 +159,7 @@ class SpecSession:
 
     def admit(self, new_requests: Iterable[object]) -> None:
         """Requests the runner starts this step (vLLM's ``NewRequestData``): remember those whose
-        own switch turned speculation off (``admission.SPECULATE_ARG``) until they finish."""
+        own switch turned speculation off (``options.SPECULATE_ARG``) until they finish."""
         self.unspeculated.update(request.req_id for request in new_requests
                                  if turned_speculation_off(request.sampling_params))
 
