@@ -132,6 +132,8 @@ NB_MODULE(_C, m) {
         "Turns the skinny GEMM's and the attention kernel's AVX-512 paths on (where the CPU has "
         "AVX-512F and VL, as at start) or off (their AVX2 blocks: the same sums, bit for bit); "
         "returns whether they were on. For tests and benchmarks.");
+  m.def("cpu_has_wide_lanes", &vrs::cpu_has_wide_lanes,
+        "Whether this CPU runs the skinny GEMM's and the attention kernel's AVX-512 paths (AVX-512F and VL).");
   vrs_bind::bind_drafting(m);
   vrs_bind::bind_trees(m);
   vrs_bind::bind_live(m);

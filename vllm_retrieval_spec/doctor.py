@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as metadata
+from typing import Any
 
 CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -43,13 +44,15 @@ def find_problems() -> list[str]:
     return problems
 
 
-def _cpu_gemm() -> str:
-    """What float32 CPU engines running our proposers verify their steps with (cpu_gemm_max_rows)."""
+def _cpu_gemm(ext: Any) -> str:
+    """What float32 CPU engines running our proposers verify their steps with (cpu_gemm_max_rows),
+    and which of the kernels' blocks this CPU runs (``ext``: the loaded extension)."""
     from vllm_retrieval_spec.kernels.skinny_gemm import pays_on_this_cpu
 
-    if pays_on_this_cpu():
-        return "skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has AVX2)"
-    return "vLLM's oneDNN GEMM only (the skinny GEMM needs AVX2)"
+    if not pays_on_this_cpu():
+        return "vLLM's oneDNN GEMM only (the skinny GEMM needs AVX2)"
+    lanes = "AVX-512: 16-lane" if ext.cpu_has_wide_lanes() else "AVX2: 8-lane"
+    return f"skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has {lanes} blocks)"
 
 
 def report() -> list[str]:
@@ -64,7 +67,7 @@ def report() -> list[str]:
 
         ext = load_extension()
         print(f"  extension      backends {ext.backends()}, CUDA devices {ext.cuda_device_count()}")
-        print(f"  CPU GEMM       {_cpu_gemm()}")
+        print(f"  CPU GEMM       {_cpu_gemm(ext)}")
     except ImportError:
         pass
     problems = find_problems()
