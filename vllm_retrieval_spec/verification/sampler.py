@@ -8,7 +8,9 @@ rule for drafted candidates, MCSS with the drafter's ``q`` for candidates drawn 
 accepted path's K/V then move into the first draft slots, because the scheduler keeps the KV
 of a prefix of the draft slots. Other steps, and chain steps whose requests use sampling
 features applied to drafts as a sequence (penalties, bad words, ...), go to vLLM's own rejection
-sampler, with the drawn candidates' ``q`` as its draft probabilities.
+sampler, with the drawn candidates' ``q`` as its draft probabilities, except greedy chain steps
+on the CPU that nothing else touches: one argmax over the step's logits gives what vLLM's
+greedy rejection would (:func:`greedy_chain_step`).
 
 Seeded requests (``seed`` at temperature > 0) repeat exactly: every step that holds one is ours,
 drafted or not, and verifies it with the keyed rule (:attr:`AcceptRule.KEYED`): the token at
@@ -22,6 +24,8 @@ model's distribution without repeating (its outcome depends on ``q`` and on what
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -37,7 +41,7 @@ from vllm_retrieval_spec.kernels.tree import (
     accept_trees,
     to_host,
 )
-from vllm_retrieval_spec.verification.session import SpecSession
+from vllm_retrieval_spec.verification.session import PLACEHOLDER_TOKEN, SpecSession
 from vllm_retrieval_spec.verification.trees import TreeStepPlan
 
 GREEDY_TEMPERATURE = 0.0
@@ -54,6 +58,8 @@ class TreeRejectionSampler(RejectionSampler):
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         plan = self._session.plan
         if plan is None:
+            if not logits.is_cuda and greedy_without_processing(sampling_metadata):
+                return SamplerOutput(sampled_token_ids=greedy_chain_step(metadata, logits), logprobs_tensors=None)
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
         keyed = keyed_rows(sampling_metadata, len(plan.offsets) - 1) & ~drawn_rows(plan)
         scores = logits = logits.to(torch.float32)
@@ -131,6 +137,54 @@ class TreeRejectionSampler(RejectionSampler):
         logprobs = selected if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(selected)
         tokens = output.flatten().clamp(min=0).to(torch.int64)
         return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
+
+
+def greedy_without_processing(sampling_metadata) -> bool:
+    """Whether every request is greedy, asks for no logprobs and nothing processes its logits
+    (penalties, bad words, allowed token ids, min_tokens, logit bias, a thinking budget, a
+    logits processor of vLLM's we do not know): then each emitted token is the argmax of its
+    row's raw logits."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    def inactive(processor: object) -> bool:
+        if isinstance(processor, LogitBiasLogitsProcessor):
+            return not processor.biases
+        return isinstance(processor, MinTokensLogitsProcessor) and not processor.min_toks
+
+    return bool(sampling_metadata.all_greedy and sampling_metadata.max_num_logprobs is None
+                and not sampling_metadata.logprob_token_ids
+                and not processes_drafts_as_a_sequence(sampling_metadata)
+                and all(map(inactive, sampling_metadata.logitsprocs.non_argmax_invariant)))
+
+
+def greedy_chain_step(metadata, logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's greedy rejection of a step of chains (``[requests, max_spec_len + 1]`` int32) from one
+    argmax over the step's logits (its own path gathers, copies and takes the argmax of the draft
+    rows and the bonus rows apart, each a pass over the vocabulary)."""
+    argmax = logits.argmax(dim=-1).numpy()
+    tokens = greedy_chain_tokens(metadata.draft_token_ids.numpy(), argmax[metadata.target_logits_indices.numpy()],
+                                 argmax[metadata.bonus_logits_indices.numpy()], metadata.num_draft_tokens,
+                                 metadata.max_spec_len + 1)
+    return torch.from_numpy(tokens)
+
+
+def greedy_chain_tokens(draft: np.ndarray, target: np.ndarray, bonus: np.ndarray, num_draft: Sequence[int],
+                        width: int) -> np.ndarray:
+    """Each request's emitted tokens (``[requests, width]`` int32, -1 after them) as vLLM's greedy
+    rejection emits them: the target's tokens at its draft positions (``draft`` and ``target``
+    flat, ``num_draft`` a request) up to and including the first where the draft is not the
+    target's, else all of them and the ``bonus`` token."""
+    num_draft = np.asarray(num_draft, np.int64)
+    out = np.full((len(num_draft), width), PLACEHOLDER_TOKEN, np.int32)
+    starts = np.cumsum(num_draft) - num_draft
+    request = np.repeat(np.arange(len(num_draft)), num_draft)
+    wrong = np.asarray(draft) != np.asarray(target)
+    wrong_before = np.concatenate(([0], np.cumsum(wrong)))  # [k]: wrong drafts among the first k
+    emitted = wrong_before[:-1] == wrong_before[starts][request]  # no wrong draft earlier in the request
+    out[request[emitted], (np.arange(len(wrong)) - starts[request])[emitted]] = np.asarray(target)[emitted]
+    right = np.flatnonzero(wrong_before[starts + num_draft] == wrong_before[starts])
+    out[right, num_draft[right]] = np.asarray(bonus)[right]
+    return out
 
 
 def tree_batch(plan: TreeStepPlan, rules: np.ndarray, seeds: np.ndarray, keyed: bool) -> TreeBatch:
