@@ -87,11 +87,18 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     *_many("vllm.v1.core.sched.output", "NewRequestData", FIELD, "req_id sampling_params"),
     VllmSymbol("vllm.sampling_params", "SamplingParams.extra_args", FIELD),
     *_many("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", FIELD,
-           "num_draft_tokens target_logits_indices bonus_logits_indices cu_num_sampled_tokens"),
+           "draft_token_ids num_draft_tokens target_logits_indices bonus_logits_indices cu_num_sampled_tokens"),
     VllmSymbol("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata.max_spec_len", INSTANCE),
     *_many("vllm.v1.sample.metadata", "SamplingMetadata", FIELD,
            "temperature top_p top_k all_greedy generators max_num_logprobs no_penalties logitsprocs "
            "bad_words_token_ids allowed_token_ids_mask"),
+    VllmSymbol("vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor", CLASS),
+    VllmSymbol("vllm.v1.sample.logits_processor.builtin", "MinTokensLogitsProcessor.min_toks", INSTANCE),
+    # what lets a greedy chain step on the CPU take one argmax (verification/sampler.py)
+    VllmSymbol("vllm.v1.sample.metadata", "SamplingMetadata.logprob_token_ids", FIELD, platform="cpu"),
+    VllmSymbol("vllm.v1.sample.logits_processor.builtin", "LogitBiasLogitsProcessor", CLASS, platform="cpu"),
+    VllmSymbol("vllm.v1.sample.logits_processor.builtin", "LogitBiasLogitsProcessor.biases", INSTANCE,
+               platform="cpu"),
     # the rejection sampler: subclassed (verification/sampler.py), and fixed on the CPU build
     VllmSymbol(REJECTION, "RejectionSampler", CLASS),
     VllmSymbol(REJECTION, "RejectionSampler.__init__", params=("sampler",)),
