@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <optional>
+#include <string>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -73,18 +74,96 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
   return {bucket, chance, keep};
 }
 
-std::tuple<NewArray<bool, 2>, NewArray<bool, 2>> chain_outcomes(CpuArray<int32_t, 2> tokens, CpuArray<bool, 2> keep,
-                                                                 const std::vector<std::vector<int32_t>>& sampled) {
+template <typename T, size_t Dims>
+using Writable = nb::ndarray<T, nb::ndim<Dims>, nb::c_contig, Cpu>;
+
+// The 4-d shape every calibration array shares (one non-empty shape, or invalid_argument naming `what`).
+template <typename First, typename... Rest>
+void check_calibration_shape(const char* what, const First& first, const Rest&... rest) {
+  for (size_t d = 0; d < 4; ++d) {
+    if (first.shape(d) == 0) throw std::invalid_argument(std::string(what) + " must be non-empty");
+    if (((rest.shape(d) != first.shape(d)) || ...))
+      throw std::invalid_argument(std::string(what) + " must share one 4-d shape");
+  }
+}
+
+using Tally = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+
+std::tuple<Tally, NewArray<int64_t, 2>> count_chain_outcomes(
+    CpuArray<int32_t, 2> tokens, CpuArray<bool, 2> keep, CpuArray<int64_t, 2> bucket, CpuArray<double, 2> chance,
+    CpuArray<int8_t, 2> source, std::optional<CpuArray<bool, 1>> unsent_first, CpuArray<int64_t, 1> step_rows,
+    const std::vector<std::vector<int32_t>>& sampled, Writable<double, 4> accepted, Writable<double, 4> observed,
+    Writable<double, 4> accepted_total, Writable<double, 4> observed_total, Writable<double, 4> predicted_total,
+    std::optional<Writable<double, 1>> token_predicted, std::optional<Writable<double, 1>> token_accepted) {
   const size_t rows = tokens.shape(0), width = tokens.shape(1);
-  if (keep.shape(0) != rows || keep.shape(1) != width || sampled.size() != rows)
-    throw std::invalid_argument("tokens, keep and sampled must have one row per drafted request, [rows, width]");
-  auto accepted = new_array<bool, 2>({rows, width}, false);
-  auto observed = new_array<bool, 2>({rows, width}, false);
+  for (size_t d = 0; d < 2; ++d)
+    if (keep.shape(d) != tokens.shape(d) || bucket.shape(d) != tokens.shape(d) || chance.shape(d) != tokens.shape(d) ||
+        source.shape(d) != tokens.shape(d))
+      throw std::invalid_argument("tokens, keep, bucket, chance and source must have one shape [rows, width]");
+  if (step_rows.shape(0) != rows || (unsent_first && unsent_first->shape(0) != rows))
+    throw std::invalid_argument("step_rows and unsent_first must have one entry per pending row");
+  check_calibration_shape("the calibration's counts", accepted, observed, accepted_total, observed_total,
+                          predicted_total);
+  if (token_predicted.has_value() != token_accepted.has_value() ||
+      (token_predicted && token_predicted->shape(0) != token_accepted->shape(0)))
+    throw std::invalid_argument("token_predicted and token_accepted must be given together, of one length");
+  const int64_t cells = static_cast<int64_t>(accepted.size());
+  const int64_t vocab = token_predicted ? static_cast<int64_t>(token_predicted->shape(0)) : 0;
+  for (size_t i = 0; i < rows * width; ++i) {
+    if (bucket.data()[i] < 0 || bucket.data()[i] >= cells)
+      throw std::invalid_argument("bucket holds an index outside the calibration's buckets");
+    if (token_predicted && tokens.data()[i] >= vocab)
+      throw std::invalid_argument("tokens hold an id outside the token factors' table (grow it first)");
+  }
+  std::vector<const int32_t*> targets(sampled.size());
+  std::vector<int> emitted(sampled.size());
+  for (size_t r = 0; r < sampled.size(); ++r) {
+    targets[r] = sampled[r].data();
+    emitted[r] = static_cast<int>(sampled[r].size());
+  }
   for (size_t r = 0; r < rows; ++r)
-    vrs::chain_outcomes(tokens.data() + r * width, keep.data() + r * width, static_cast<int>(width),
-                        sampled[r].data(), static_cast<int>(sampled[r].size()), accepted.data() + r * width,
-                        observed.data() + r * width);
-  return {accepted, observed};
+    if (step_rows.data()[r] < -1 || step_rows.data()[r] >= static_cast<int64_t>(sampled.size()))
+      throw std::invalid_argument("step_rows must index sampled (or be -1: the request left the batch)");
+  const int codes = static_cast<int>(accepted.shape(0));
+  auto by_code = new_array<int64_t, 2>({2, static_cast<size_t>(codes)}, 0);
+  vrs::OutcomeCounts counts{accepted.data(),
+                            observed.data(),
+                            accepted_total.data(),
+                            observed_total.data(),
+                            predicted_total.data(),
+                            cells,
+                            token_predicted ? token_predicted->data() : nullptr,
+                            token_accepted ? token_accepted->data() : nullptr,
+                            vocab,
+                            by_code.data(),
+                            by_code.data() + codes,
+                            codes};
+  const vrs::PendingChains in{static_cast<int>(rows), static_cast<int>(width), tokens.data(), keep.data(),
+                              bucket.data(), chance.data(), source.data(),
+                              unsent_first ? unsent_first->data() : nullptr, step_rows.data()};
+  const vrs::OutcomeTally tally = vrs::count_chain_outcomes(in, targets.data(), emitted.data(), counts);
+  return {Tally{tally.observed, tally.accepted, tally.unsent_observed, tally.unsent_accepted}, by_code};
+}
+
+double fill_chance_table(CpuArray<double, 4> accepted, CpuArray<double, 4> observed, double strength,
+                         double raw_prior_scale, double min_chance, double max_chance, Writable<double, 4> chances,
+                         Writable<float, 4> table, Writable<double, 1> first_accepted,
+                         Writable<double, 1> first_observed) {
+  check_calibration_shape("accepted, observed, chances and table", accepted, observed, chances, table);
+  if (first_accepted.shape(0) != accepted.shape(1) || first_observed.shape(0) != accepted.shape(1))
+    throw std::invalid_argument("first_accepted and first_observed must have one entry per match-length bucket");
+  const vrs::CalibrationCounts in{accepted.data(),
+                                  observed.data(),
+                                  static_cast<int>(accepted.shape(0)),
+                                  static_cast<int>(accepted.shape(1)),
+                                  static_cast<int>(accepted.shape(2)),
+                                  static_cast<int>(accepted.shape(3)),
+                                  strength,
+                                  raw_prior_scale,
+                                  min_chance,
+                                  max_chance};
+  nb::gil_scoped_release release;
+  return vrs::fill_chance_table(in, chances.data(), table.data(), first_accepted.data(), first_observed.data());
 }
 
 }  // namespace
@@ -101,9 +180,22 @@ void bind_goodput(nb::module_& m) {
         "node j - 1; factor: each node's token factor on its chance in the path products, None: "
         "none): returns new arrays bucket (int64), chance given the parent before the factor "
         "(float64, 0 past a row's size) and keep (bool), the nodes of the best expected rate.");
-  m.def("chain_outcomes", &chain_outcomes, nb::arg("tokens"), nb::arg("keep"), nb::arg("sampled"),
-        "What verification made of each row's chain (tokens and kept nodes [rows, width]) given "
-        "the tokens the target sampled for the row: new bool arrays accepted and observed.");
+  m.def("count_chain_outcomes", &count_chain_outcomes, nb::arg("tokens"), nb::arg("keep"), nb::arg("bucket"),
+        nb::arg("chance"), nb::arg("source"), nb::arg("unsent_first").none(), nb::arg("step_rows"),
+        nb::arg("sampled"), nb::arg("accepted"), nb::arg("observed"), nb::arg("accepted_total"),
+        nb::arg("observed_total"), nb::arg("predicted_total"), nb::arg("token_predicted").none(),
+        nb::arg("token_accepted").none(),
+        "Reads last step's chains (kept as the budget chose, [rows, width]) back from this step's "
+        "sampled token lists (row r's: sampled[step_rows[r]], -1: gone) and adds their outcomes to "
+        "the calibration's counts and the token factors' sums in place (None: off); returns "
+        "(observed, accepted, unsent_observed, unsent_accepted) and a new int64 [2, sources] array "
+        "of the nodes observed and accepted per source code.");
+  m.def("fill_chance_table", &fill_chance_table, nb::arg("accepted"), nb::arg("observed"), nb::arg("strength"),
+        nb::arg("raw_prior_scale"), nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("chances"),
+        nb::arg("table"), nb::arg("first_accepted"), nb::arg("first_observed"),
+        "Every calibration bucket's chance into chances (float64) and table (float32), the depth-0 "
+        "counts per match-length bucket into first_accepted and first_observed; returns the best "
+        "first chance.");
 }
 
 }  // namespace vrs_bind

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -168,6 +169,173 @@ inline void chain_outcomes(const int32_t* tokens, const bool* keep, int width, c
     parent_accepted = parent_accepted && keep[j] && matched && j < emitted - 1;
     accepted[j] = parent_accepted;
   }
+}
+
+
+// The counts one step's outcomes feed, each flat and owned by the caller: the calibration's
+// decaying and never-decayed counts per bucket (goodput/calibration.py; `cells` buckets), the
+// per-token sums of the tokens' factors (goodput/token_factor.py; nullptr when off; `vocab`
+// ids) and this step's nodes observed and accepted per source code (`codes` codes).
+struct OutcomeCounts {
+  double* accepted;
+  double* observed;
+  double* accepted_total;
+  double* observed_total;
+  double* predicted_total;
+  int64_t cells;
+  double* token_predicted;
+  double* token_accepted;
+  int64_t vocab;
+  int64_t* observed_by_code;
+  int64_t* accepted_by_code;
+  int codes;
+};
+
+// What one step's read-back counted: verified nodes observed and accepted, and first nodes of
+// rows that sent none learned from the sampled token, and of those the hits.
+struct OutcomeTally {
+  int64_t observed = 0, accepted = 0, unsent_observed = 0, unsent_accepted = 0;
+};
+
+// Last step's chain nodes ([rows, width] row-major, as the budget kept them) and what they read.
+struct PendingChains {
+  int rows, width;
+  const int32_t* tokens;
+  const bool* keep;
+  const int64_t* bucket;   // the calibration bucket of every node
+  const double* chance;    // its calibrated chance given its parent, before the token factor
+  const int8_t* source;    // SOURCE_* flags
+  const bool* unsent_first;  // [rows]: the row kept no node and its first is learned from (nullptr: none)
+  const int64_t* step_row;   // [rows]: the row's index in this step's sampled lists, -1: not in this step
+};
+
+// One node's outcome into the calibration's counts and its token's sums.
+inline void count_outcome(OutcomeCounts& counts, int64_t bucket, double chance, int32_t token, bool hit) {
+  const double value = hit ? 1.0 : 0.0;
+  counts.accepted[bucket] += value;
+  counts.observed[bucket] += 1.0;
+  counts.accepted_total[bucket] += value;
+  counts.observed_total[bucket] += 1.0;
+  counts.predicted_total[bucket] += chance;
+  if (counts.token_predicted != nullptr && token >= 0) {
+    counts.token_predicted[token] += chance;
+    counts.token_accepted[token] += value;
+  }
+}
+
+// Reads what verification made of last step's chains from the tokens each row just sampled
+// (`sampled[step_row[r]]`, `emitted[step_row[r]]` of them) and counts it, in the NumPy path's
+// order (goodput/budget.py's observe for trees): every verified node observed (chain_outcomes) in row order, then the first node of each greedy
+// row that kept none, as if verified: the one token the target sampled for the row is what
+// greedy verification would have accepted there (calibration otherwise learns only from nodes
+// the budget sends, so a few early rejections could hold a match length's first nodes below
+// what pays, unsent and unlearned, for the rest of a run). Buckets, tokens and source codes
+// must index the counts (the caller checks).
+inline OutcomeTally count_chain_outcomes(const PendingChains& in, const int32_t* const* sampled, const int* emitted,
+                                         OutcomeCounts& counts) {
+  OutcomeTally tally;
+  std::unique_ptr<bool[]> outcomes(new bool[2 * static_cast<size_t>(std::max(in.width, 1))]);
+  bool* accepted = outcomes.get();
+  bool* observed = accepted + in.width;
+  for (int r = 0; r < in.rows; ++r) {
+    const int64_t step_row = in.step_row[r];
+    if (step_row < 0) continue;
+    const int64_t offset = static_cast<int64_t>(r) * in.width;
+    chain_outcomes(in.tokens + offset, in.keep + offset, in.width, sampled[step_row], emitted[step_row], accepted,
+                   observed);
+    for (int j = 0; j < in.width; ++j) {
+      if (!observed[j]) continue;
+      const int64_t i = offset + j;
+      count_outcome(counts, in.bucket[i], in.chance[i], in.tokens[i], accepted[j]);
+      const int code = ((static_cast<int>(in.source[i]) % counts.codes) + counts.codes) % counts.codes;
+      counts.observed_by_code[code] += 1;
+      counts.accepted_by_code[code] += accepted[j];
+      tally.observed += 1;
+      tally.accepted += accepted[j];
+    }
+  }
+  if (in.unsent_first == nullptr) return tally;
+  for (int r = 0; r < in.rows; ++r) {
+    const int64_t step_row = in.step_row[r];
+    const int64_t i = static_cast<int64_t>(r) * in.width;
+    if (step_row < 0 || !in.unsent_first[r] || in.width == 0 || emitted[step_row] < 1 || sampled[step_row][0] < 0 ||
+        !(in.chance[i] > 0.0))
+      continue;
+    const bool hit = in.tokens[i] == sampled[step_row][0];
+    count_outcome(counts, in.bucket[i], in.chance[i], in.tokens[i], hit);
+    tally.unsent_observed += 1;
+    tally.unsent_accepted += hit;
+  }
+  return tally;
+}
+
+// The calibration's decaying counts as its chance table reads them ([sources, lengths, depths,
+// probs] row-major) and the prior's settings (goodput/calibration.py).
+struct CalibrationCounts {
+  const double* accepted;
+  const double* observed;
+  int sources, lengths, depths, probs;
+  double strength, raw_prior_scale, min_chance, max_chance;
+};
+
+// Every bucket's chance (into `chances`, and as float32 into `table`) with the raw-probability
+// bucket's midpoint as the drafter's guess, each depth shrunk towards the one above it:
+// c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength), c[−1] the depth-0 prior
+// (the match length's depth-0 counts over the halved midpoint), unclipped along the way and
+// clipped when written; a source never observed keeps the prior at every depth. Fills the
+// depth-0 counts per match length (`first_accepted`, `first_observed`, [lengths]) and returns
+// the best first chance: the highest depth-0 chance of any observed bucket over the halved
+// guess of a sure node, at most max_chance (raw_prior_scale when nothing is observed).
+inline double fill_chance_table(const CalibrationCounts& in, double* chances, float* table, double* first_accepted,
+                                double* first_observed) {
+  const int64_t L = in.lengths, D = in.depths, P = in.probs;
+  double best = -1.0;
+  for (int64_t l = 0; l < L; ++l) {
+    first_accepted[l] = first_observed[l] = 0.0;
+    for (int64_t s = 0; s < in.sources; ++s)
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t i = ((s * L + l) * D) * P + p;
+        first_accepted[l] += in.accepted[i];
+        first_observed[l] += in.observed[i];
+        if (in.observed[i] > 0.0)
+          best = std::max(best, (in.accepted[i] + in.strength * in.raw_prior_scale) / (in.observed[i] + in.strength));
+      }
+  }
+  std::vector<double> prior(L * P), running(P);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t p = 0; p < P; ++p)
+      prior[l * P + p] = (first_accepted[l] + in.strength * in.raw_prior_scale * ((p + 0.5) / P)) /
+                         (first_observed[l] + in.strength);
+  const auto bounded = [&](double c) { return std::min(std::max(c, in.min_chance), in.max_chance); };
+  const int64_t per_source = L * D * P;
+  std::vector<double> unseen(per_source);  // a source never observed: the prior at every depth
+  std::vector<float> unseen_table(per_source);
+  for (int64_t i = 0; i < per_source; ++i) {
+    unseen[i] = bounded(prior[(i / (D * P)) * P + i % P]);
+    unseen_table[i] = static_cast<float>(unseen[i]);
+  }
+  for (int64_t s = 0; s < in.sources; ++s) {
+    const double* observed = in.observed + s * per_source;
+    double* out = chances + s * per_source;
+    float* out_table = table + s * per_source;
+    if (std::all_of(observed, observed + per_source, [](double o) { return o == 0.0; })) {
+      std::copy(unseen.begin(), unseen.end(), out);
+      std::copy(unseen_table.begin(), unseen_table.end(), out_table);
+      continue;
+    }
+    const double* accepted = in.accepted + s * per_source;
+    for (int64_t l = 0; l < L; ++l) {
+      std::copy(prior.begin() + l * P, prior.begin() + (l + 1) * P, running.begin());
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t i = (l * D + d) * P + p;
+          running[p] = (accepted[i] + in.strength * running[p]) / (observed[i] + in.strength);
+          out[i] = bounded(running[p]);
+          out_table[i] = static_cast<float>(out[i]);
+        }
+    }
+  }
+  return best < 0.0 ? in.raw_prior_scale : std::min(best, in.max_chance);
 }
 
 }  // namespace vrs

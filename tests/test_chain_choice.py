@@ -1,6 +1,7 @@
 """The chain kernels (``csrc/chain_choice.h``) against the NumPy path they replace for chains:
 calibration buckets and chances (with and without tokens' factors), path products and the
-chooser, and the outcomes read back from the sampled tokens, exactly."""
+chooser, and the outcomes read back from the sampled tokens, exactly; the calibration's chance
+table against its NumPy reference."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
-from vllm_retrieval_spec.goodput import AcceptanceCalibration, NodeCandidates, StepCostModel, choose_nodes
-from vllm_retrieval_spec.goodput.budget import _outcomes, _padded
-from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, SHAPE
+from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes, count_sources
+from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, NodeCandidates, StepCostModel, choose_nodes
+from vllm_retrieval_spec.goodput.budget import PendingNodes, _outcomes, _padded
+from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, MIN_CHANCE, RAW_PRIOR_SCALE, SHAPE
 from vllm_retrieval_spec.goodput.paths import node_depths, path_products
-from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
+from vllm_retrieval_spec.goodput.token_factor import TokenFactor
+from vllm_retrieval_spec.kernels.chain_choice import choose_chain_nodes, count_chain_outcomes
+from vllm_retrieval_spec.kernels.chance_table_reference import chance_table as reference_chance_table
 
 
 def numpy_chain_choice(calibration: AcceptanceCalibration, cost: StepCostModel, nodes: DraftNodes,
@@ -125,14 +128,103 @@ def test_a_lookup_outside_the_table_or_a_factor_of_another_shape_is_refused():
                            np.ones((1, 3)))
 
 
+def numpy_chain_read_back(budget: GoodputBudget, pending: PendingNodes, step_rows: np.ndarray,
+                          sampled_token_ids: list[list[int]]) -> None:
+    """The read-back of a chain step as NumPy computes it: the tree path's outcomes over chain
+    parents, then the first node of each greedy row that kept none learned from the sampled token."""
+    present = step_rows >= 0
+    sampled = [sampled_token_ids[row] for row in step_rows[present]]
+    tokens, keep = pending.tokens[present], pending.keep[present]
+    chance, bucket, source = pending.chance[present], pending.bucket[present], pending.source[present]
+    chain = np.broadcast_to(np.arange(-1, tokens.shape[1] - 1, dtype=np.int32), tokens.shape)
+    accepted, observed = _outcomes(tokens, chain, node_depths(chain), keep, _padded(sampled, tokens.shape[1] + 1))
+    budget.calibration.observe(bucket[observed], chance[observed], accepted[observed])
+    budget.tokens.record(tokens[observed], chance[observed], accepted[observed])
+    stats = budget.stats
+    stats.observed_nodes += int(observed.sum())
+    stats.accepted_nodes += int(accepted.sum())
+    count_sources(stats.observed_by_source, source[observed])
+    count_sources(stats.accepted_by_source, source[accepted])
+    target = _padded(sampled, 1)[:, 0]
+    seen = pending.unsent_first[present] & (target >= 0) & (chance[:, 0] > 0)
+    hits = tokens[:, 0][seen] == target[seen]
+    budget.calibration.observe(bucket[:, 0][seen], chance[:, 0][seen], hits)
+    budget.tokens.record(tokens[:, 0][seen], chance[:, 0][seen], hits)
+    stats.unsent_observed_nodes += int(seen.sum())
+    stats.unsent_accepted_nodes += int(hits.sum())
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 2**31 - 1))
-def test_outcomes_equal_the_numpy_path(rows, width, seed):
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 2**31 - 1), st.booleans())
+def test_the_read_back_of_chains_equals_the_numpy_path(rows, width, seed, token_factors):
+    """Outcomes, calibration counts, tokens' sums and counters after one chain step read back by
+    the kernel equal NumPy's, exactly; requests that left the batch are not read."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 3, (rows, width)).astype(np.int32)
+    tokens[rng.random((rows, width)) < 0.1] = -1
     keep = np.arange(width)[None, :] < rng.integers(0, width + 1, rows)[:, None]  # kept nodes: a prefix
-    sampled = [rng.integers(0, 3, int(rng.integers(0, width + 3))).tolist() for _ in range(rows)]
-    chain = np.broadcast_to(np.arange(-1, width - 1, dtype=np.int32), (rows, width))
-    want = _outcomes(tokens, chain, node_depths(chain), keep, _padded(sampled, width + 1))
-    got = chain_outcomes(tokens, keep, sampled)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    unsent_first = ~keep.any(axis=1) & (tokens[:, 0] >= 0) & (rng.random(rows) < 0.8)
+    chance = rng.choice([0.0, 0.3, *rng.random(3)], (rows, width))
+    pending = PendingNodes([f"r{i}" for i in range(rows)], tokens, np.zeros_like(tokens),
+                           np.zeros_like(tokens), rng.integers(0, int(np.prod(SHAPE)), (rows, width)), chance, keep,
+                           rng.choice([1, 2, 3, 8, 10, 32, 127], (rows, width)).astype(np.int8),
+                           np.zeros((rows, width), bool), 1.0, chains=True, unsent_first=unsent_first)
+    step_rows = rng.permutation(rows + 2)[:rows] - 1  # -1: the request left the batch
+    sampled = [rng.integers(0, 3, int(rng.integers(0, width + 3))).tolist() for _ in range(rows + 1)]
+    budgets = [GoodputBudget(tokens=TokenFactor(enabled=token_factors, vocab_size=2)) for _ in range(2)]
+    for budget in budgets:
+        budget.observe(["x"], [[1]])  # the calibration's table built before, as in a running budget
+        budget.calibration.observe(np.array([5, 5]), np.array([0.4, 0.7]), np.array([True, False]))
+    numpy_chain_read_back(budgets[0], pending, step_rows, sampled)
+    req_ids = [f"new{i}" for i in range(rows + 1)]  # this step's rows: the pending ones still there, new ones
+    for row, step_row in enumerate(step_rows.tolist()):
+        if step_row >= 0:
+            req_ids[step_row] = f"r{row}"
+    budgets[1]._pending = pending
+    budgets[1].observe(req_ids, sampled)
+    want, got = budgets
+    for expected, actual in zip(want.calibration.count_arrays(), got.calibration.count_arrays()):
+        assert np.array_equal(expected, actual)
+    for expected, actual in ((want.tokens.predicted, got.tokens.predicted), (want.tokens.accepted, got.tokens.accepted)):
+        assert np.array_equal(expected, actual[: len(expected)]) and not actual[len(expected):].any()  # grown ahead
+    assert want.stats == got.stats
+
+
+def test_the_read_back_refuses_buckets_tokens_and_rows_outside_its_tables():
+    tokens, keep = np.array([[4, 5]], np.int32), np.array([[True, False]])
+    bucket, chance, source = np.zeros((1, 2), np.int64), np.full((1, 2), 0.5), np.full((1, 2), 2, np.int8)
+    counts = AcceptanceCalibration().count_arrays()
+    sums = (np.zeros(5), np.zeros(5))
+
+    def read_back(**changed):
+        arguments = dict(tokens=tokens, keep=keep, bucket=bucket, chance=chance, source=source, unsent_first=None,
+                         step_rows=np.array([0]), sampled=[[4, 9]], counts=counts, token_sums=sums) | changed
+        return count_chain_outcomes(**arguments)
+
+    assert read_back(token_sums=(np.zeros(6), np.zeros(6))).observed == 1
+    with pytest.raises(ValueError, match="outside the token factors' table"):
+        read_back()
+    with pytest.raises(ValueError, match="outside the calibration's buckets"):
+        read_back(bucket=np.full((1, 2), int(np.prod(SHAPE))), token_sums=None)
+    with pytest.raises(ValueError, match="step_rows must index sampled"):
+        read_back(step_rows=np.array([1]), token_sums=None)
+    with pytest.raises(ValueError, match="share one 4-d shape"):
+        read_back(counts=(*counts[:4], np.zeros((2, 2, 2, 2))), token_sums=None)
+
+
+@pytest.mark.parametrize("observations", [0, 1, 40, 3000])
+def test_the_chance_table_equals_its_numpy_reference(observations):
+    calibration = trained_calibration(observations, observations)
+    for _ in range(observations % 7):
+        calibration.tick()
+    calibration.accepted *= 0.5 ** (observations % 3)  # decayed counts
+    table = calibration.chance_table()
+    want, first_accepted, first_observed, best = reference_chance_table(
+        calibration.accepted, calibration.observed, calibration.prior_strength, RAW_PRIOR_SCALE, MIN_CHANCE,
+        MAX_CHANCE)
+    np.testing.assert_allclose(calibration.chain_calibration().chances, want, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(table.chance, want.astype(np.float32), rtol=1e-6, atol=0)
+    chain = calibration.chain_calibration()
+    assert np.array_equal(chain.first_accepted, first_accepted) and np.array_equal(chain.first_observed,
+                                                                                    first_observed)
+    assert calibration.best_first_chance() == best

@@ -40,7 +40,12 @@ SOURCE_LABELS = tuple(source_label(code) for code in range(NUM_SOURCE_CODES))
 def count_sources(counts: dict[str, int], sources: np.ndarray) -> None:
     """Add one to ``counts[label]`` per node of ``sources`` (``SOURCE_*`` flags; one bincount,
     no per-node Python)."""
-    per_code = np.bincount(np.asarray(sources, np.int64).ravel() % NUM_SOURCE_CODES, minlength=NUM_SOURCE_CODES)
+    add_code_counts(counts, np.bincount(np.asarray(sources, np.int64).ravel() % NUM_SOURCE_CODES,
+                                        minlength=NUM_SOURCE_CODES))
+
+
+def add_code_counts(counts: dict[str, int], per_code: np.ndarray) -> None:
+    """Add ``per_code[code]`` nodes (``[NUM_SOURCE_CODES]``) to ``counts`` by each code's label."""
     for code in np.flatnonzero(per_code).tolist():
         label = SOURCE_LABELS[code]
         counts[label] = counts.get(label, 0) + int(per_code[code])

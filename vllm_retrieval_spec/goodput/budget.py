@@ -4,9 +4,8 @@ Each step, in the proposers' base (through the session):
 
 1. :meth:`GoodputBudget.observe` reads, from the tokens each request just sampled, which of
    the nodes drafted for it last step were accepted (a node is accepted when its parent is
-   and its token is the one sampled at its depth), and feeds calibration (with the first
-   candidate node of each greedy chain row that kept none:
-   :meth:`GoodputBudget.learn_from_unsent_first_nodes`);
+   and its token is the one sampled at its depth), and feeds calibration (for chains in one
+   kernel call, with the first candidate node of each greedy chain row that kept none);
 2. :meth:`GoodputBudget.worth_searching` drops rows whose best possible node would not pay
    for its verification (their search is skipped);
 3. :meth:`GoodputBudget.choose` turns the drafter's candidate nodes into calibrated chances,
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import DraftNodes, count_sources
+from vllm_retrieval_spec.drafts import DraftNodes, add_code_counts, count_sources
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, AcceptanceCalibration
 from vllm_retrieval_spec.goodput.chooser import NodeCandidates, choose_nodes, main_paths
 from vllm_retrieval_spec.goodput.cost_model import StepCostModel
@@ -34,7 +33,7 @@ from vllm_retrieval_spec.goodput.paths import first_children, fold_paths, node_d
 from vllm_retrieval_spec.goodput.ranks import SharedClock, tensor_parallel_clock
 from vllm_retrieval_spec.goodput.search_gate import StepWay
 from vllm_retrieval_spec.goodput.token_factor import INITIAL_VOCAB, TokenFactor
-from vllm_retrieval_spec.kernels.chain_choice import chain_outcomes, choose_chain_nodes
+from vllm_retrieval_spec.kernels.chain_choice import choose_chain_nodes, count_chain_outcomes
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 
 logger = logging.getLogger(__name__)
@@ -182,15 +181,15 @@ class GoodputBudget:
             return
         row_of = dict(zip(req_ids, range(len(req_ids))))
         rows = np.fromiter(map(row_of.get, pending.req_ids, itertools.repeat(-1)), np.int64, len(pending.req_ids))
+        if pending.chains:
+            self._observe_chains(pending, rows, sampled_token_ids)
+            return
         present = rows >= 0
         if not present.any():
             return
         sampled = [sampled_token_ids[row] for row in rows[present]]
-        if pending.chains:
-            accepted, observed = chain_outcomes(pending.tokens[present], pending.keep[present], sampled)
-        else:
-            accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
-                                           pending.keep[present], _padded(sampled, pending.tokens.shape[1] + 1))
+        accepted, observed = _outcomes(pending.tokens[present], pending.parents[present], pending.depth[present],
+                                       pending.keep[present], _padded(sampled, pending.tokens.shape[1] + 1))
         chance, bucket = pending.chance[present], pending.bucket[present]
         roots = observed & pending.branch[present]
         counted = observed & ~roots
@@ -203,31 +202,35 @@ class GoodputBudget:
         source = pending.source[present]
         count_sources(self.stats.observed_by_source, source[observed])
         count_sources(self.stats.accepted_by_source, source[accepted])
-        if pending.unsent_first is not None:
-            self.learn_from_unsent_first_nodes(pending, present, sampled)
 
-    def learn_from_unsent_first_nodes(self, pending: PendingNodes, present: np.ndarray,
-                                      sampled: Sequence[Sequence[int]]) -> None:
-        """Calibrate on the first candidate node of each greedy chain row that kept none, as if it
-        had been verified: the one token the target sampled for the row is what greedy verification
-        would have accepted there. Calibration otherwise learns only from nodes the budget sends, so
-        a few early rejections could hold a match length's first nodes below what pays, unsent and
-        unlearned, for the rest of a run (in the budget replay at 8 in flight on multi_turn, three
-        rejected first nodes of 9-16-token matches left REST at 1.25 honest tokens a step against
-        3.0). Only first nodes: learning the node after every kept prefix too drafted 1.2 more
-        tokens a step at 1 in flight on multi_turn for the same accepted ones."""
-        first = pending.unsent_first[present]
-        target = _padded(sampled, 1)[:, 0]
-        chance = pending.chance[present][:, 0]
-        seen = first & (target >= 0) & (chance > 0)
-        if not seen.any():
-            return
-        tokens = pending.tokens[present][:, 0][seen]
-        hits = tokens == target[seen]
-        self.calibration.observe(pending.bucket[present][:, 0][seen], chance[seen], hits)
-        self.tokens.record(tokens, chance[seen], hits)
-        self.stats.unsent_observed_nodes += int(seen.sum())
-        self.stats.unsent_accepted_nodes += int(hits.sum())
+    def _observe_chains(self, pending: PendingNodes, rows: np.ndarray,
+                        sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """Chains: the read-back in one kernel call (``kernels/chain_choice.py``), which also
+        calibrates on the first candidate node of each greedy chain row that kept none, as if it
+        had been verified: the one token the target sampled for the row is what greedy
+        verification would have accepted there. Calibration otherwise learns only from nodes the
+        budget sends, so a few early rejections could hold a match length's first nodes below
+        what pays, unsent and unlearned, for the rest of a run (in the budget replay at 8 in
+        flight on multi_turn, three rejected first nodes of 9-16-token matches left REST at 1.25
+        honest tokens a step against 3.0). Only first nodes: learning the node after every kept
+        prefix too drafted 1.2 more tokens a step at 1 in flight on multi_turn for the same
+        accepted ones."""
+        tokens = self.tokens
+        if tokens.enabled:
+            tokens.reserve(pending.tokens)
+        calibration = self.calibration
+        tally = count_chain_outcomes(
+            pending.tokens, pending.keep, pending.bucket, pending.chance, pending.source, pending.unsent_first, rows,
+            sampled_token_ids, calibration.count_arrays(),
+            (tokens.predicted, tokens.accepted) if tokens.enabled else None)
+        calibration.counts_changed()
+        stats = self.stats
+        stats.observed_nodes += tally.observed
+        stats.accepted_nodes += tally.accepted
+        stats.unsent_observed_nodes += tally.unsent_observed
+        stats.unsent_accepted_nodes += tally.unsent_accepted
+        add_code_counts(stats.observed_by_source, tally.by_code[0])
+        add_code_counts(stats.accepted_by_source, tally.by_code[1])
 
     def seconds_per_token(self, num_reqs: int) -> float:
         """What one token is worth at this engine's rate without drafts, for ``num_reqs`` requests."""

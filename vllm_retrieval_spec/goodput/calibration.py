@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
-from vllm_retrieval_spec.kernels.chain_choice import ChainCalibration
+from vllm_retrieval_spec.kernels.chain_choice import ChainCalibration, fill_chance_table
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
@@ -50,23 +50,6 @@ def _smoothed(accepted: np.ndarray, observed: np.ndarray, prior: np.ndarray, str
     return np.clip((accepted + strength * prior) / (observed + strength), MIN_CHANCE, MAX_CHANCE)
 
 
-def _bounded(chances: np.ndarray) -> np.ndarray:
-    """``chances`` clipped in place to ``[MIN_CHANCE, MAX_CHANCE]`` (``np.clip`` is 7x slower)."""
-    return np.minimum(np.maximum(chances, MIN_CHANCE, out=chances), MAX_CHANCE, out=chances)
-
-
-def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray, strength: float) -> np.ndarray:
-    """``c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength)`` along the depth
-    axis (2) of ``[source, length, depth, prob]`` counts, with ``c[−1] = first`` (``[.., length,
-    prob]``), in closed form:
-    ``c[d] = B[d]·(first + Σ_{j ≤ d} a[j] / B[j])`` for ``a = accepted / (observed + strength)``
-    and ``B`` the running product of ``strength / (observed + strength)`` (never below
-    ~1e-90 for the counts a budget holds)."""
-    total = observed + strength
-    carried = np.cumprod(strength / total, axis=2)
-    return carried * (first[..., None, :] + np.cumsum(accepted / total / carried, axis=2))
-
-
 def _first_prior(length_accepted: np.ndarray, length_observed: np.ndarray, raw_prob: np.ndarray,
                  strength: float) -> np.ndarray:
     """The prior of a depth-0 bucket: the depth-0 counts of its match length over the drafter's
@@ -89,7 +72,8 @@ class AcceptanceCalibration:
     steps: int = 0
     _chances: np.ndarray | None = field(default=None, repr=False)  # what _table holds, in float64
     _best_first: float = field(default=RAW_PRIOR_SCALE, repr=False)  # best_first_chance() at the last refresh
-    _first: tuple[np.ndarray, np.ndarray] = field(default=(np.zeros(0), np.zeros(0)), repr=False)  # _first_counts()
+    # Depth-0 accepted and observed counts per match-length bucket, at the last refresh.
+    _first: tuple[np.ndarray, np.ndarray] = field(default=(np.zeros(0), np.zeros(0)), repr=False)
     _table: ChanceTable | None = field(default=None, repr=False)
     _table_step: int = -TABLE_REFRESH_STEPS
     _table_stale: bool = True
@@ -123,10 +107,10 @@ class AcceptanceCalibration:
             if self._table is None:  # filled in place from now on: no 1.7 MB of new arrays per refresh
                 self._chances = np.empty(SHAPE)
                 self._table = ChanceTable(np.empty(SHAPE, np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
-            self._first = self._first_counts()
-            self._fill_chances(self._chances)
-            self._table.chance[...] = self._chances
-            self._best_first = self._best_first_chance()
+                self._first = (np.empty(SHAPE[1]), np.empty(SHAPE[1]))
+            self._best_first = fill_chance_table(self.accepted, self.observed, self.prior_strength, RAW_PRIOR_SCALE,
+                                                 MIN_CHANCE, MAX_CHANCE, self._chances, self._table.chance,
+                                                 *self._first)
             self._table_step, self._table_stale = self.steps, False
         return self._table
 
@@ -139,22 +123,6 @@ class AcceptanceCalibration:
                                 LENGTH_BUCKET, DEPTH_BUCKET, self.prior_strength, RAW_PRIOR_SCALE, MIN_CHANCE,
                                 MAX_CHANCE)
 
-    def _fill_chances(self, chances: np.ndarray) -> None:
-        """Every bucket's chance (into ``chances``, ``SHAPE`` in C order: read flat every step)
-        with the raw-probability bucket's midpoint as the drafter's guess, each depth shrunk
-        towards the one above it."""
-        midpoint = (np.arange(PROB_BUCKETS) + 0.5) / PROB_BUCKETS
-        accepted, observed = self._first
-        first = _first_prior(accepted[:, None], observed[:, None], midpoint, self.prior_strength)  # [length, prob]
-        chances[...] = _bounded(first.copy())[None, :, None, :]  # unseen sources keep the prior at every depth
-        seen = np.flatnonzero(self.observed.any(axis=(1, 2, 3)))
-        chances[seen] = _bounded(_depth_chained(self.accepted[seen], self.observed[seen], first[None],
-                                                self.prior_strength))
-
-    def _first_counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """Decaying accepted and observed counts of depth-0 nodes per match-length bucket."""
-        return self.accepted[:, :, 0].sum(axis=(0, 2)), self.observed[:, :, 0].sum(axis=(0, 2))
-
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have
         been seen in (the prior guess for a raw probability of 1 before any): the optimistic
@@ -162,14 +130,6 @@ class AcceptanceCalibration:
         drafter's buckets drift back."""
         self.chance_table()
         return self._best_first
-
-    def _best_first_chance(self) -> float:
-        strength = self.prior_strength
-        observed = self.observed[:, :, 0]
-        if not (observed > 0).any():
-            return RAW_PRIOR_SCALE
-        depth0 = (self.accepted[:, :, 0] + strength * RAW_PRIOR_SCALE) / (observed + strength)
-        return float(min(depth0[observed > 0].max(), MAX_CHANCE))
 
     def counts(self) -> np.ndarray:
         """A copy of the decaying counts, ``[accepted, observed]`` (what an output index snapshot
@@ -188,10 +148,17 @@ class AcceptanceCalibration:
     def observe(self, bucket: np.ndarray, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Record the outcome of every node whose parent was accepted (one step's worth)."""
         hits = accepted.astype(np.float64)
-        for counts, index, values in ((self.accepted, bucket, hits), (self.observed, bucket, 1.0),
-                                      (self.accepted_total, bucket, hits), (self.observed_total, bucket, 1.0),
-                                      (self.predicted_total, bucket, predicted)):
-            np.add.at(counts.reshape(-1), index, values)
+        for counts, values in zip(self.count_arrays(), (hits, 1.0, hits, 1.0, predicted)):
+            np.add.at(counts.reshape(-1), bucket, values)
+        self.counts_changed()
+
+    def count_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays a step's outcomes add to, in place: accepted, observed, accepted_total,
+        observed_total, predicted_total (what ``kernels/chain_choice.py``'s read-back fills)."""
+        return self.accepted, self.observed, self.accepted_total, self.observed_total, self.predicted_total
+
+    def counts_changed(self) -> None:
+        """New outcomes were added to :meth:`count_arrays`: the chance table refreshes on its turn."""
         self._table_stale = True
 
     def tick(self) -> None:

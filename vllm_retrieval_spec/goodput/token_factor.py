@@ -57,7 +57,7 @@ class TokenFactor:
         if not self.enabled or not valid.any():
             return
         tokens = tokens[valid]
-        self._grow(int(tokens.max()) + 1)
+        self.reserve(tokens)
         np.add.at(self.predicted, tokens, np.asarray(predicted, np.float64)[valid])
         np.add.at(self.accepted, tokens, np.asarray(accepted, np.float64)[valid])
 
@@ -78,8 +78,9 @@ class TokenFactor:
             self.predicted *= 0.5
             self.accepted *= 0.5
 
-    def _grow(self, size: int) -> None:
-        """Room for token ids below ``size`` (at least doubling, so growth is rare)."""
+    def reserve(self, tokens: np.ndarray) -> None:
+        """Room for every id of ``tokens`` (at least doubling, so growth is rare)."""
+        size = int(tokens.max(initial=-1)) + 1
         if size > len(self.predicted):
             grown = max(size, 2 * len(self.predicted))
             self.predicted = np.concatenate((self.predicted, np.zeros(grown - len(self.predicted))))

@@ -9,8 +9,9 @@ of verification, and the best prefix of that order for the highest expected rate
 it does not beat a step without drafts. The arithmetic is the NumPy path's, in the same order
 (``goodput/calibration.py`` ``buckets`` and ``estimate``, ``goodput/paths.py``
 ``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees still run and which
-the tests compare this kernel against; :func:`chain_outcomes` is ``goodput/budget.py``'s
-``_outcomes`` for chains.
+the tests compare this kernel against; :func:`count_chain_outcomes` is ``goodput/budget.py``'s
+read-back of a step (its ``observe`` for trees) for chains. :func:`fill_chance_table` is the calibration's table of every
+bucket's chance (``kernels/chance_table_reference.py`` in NumPy).
 """
 
 from __future__ import annotations
@@ -79,12 +80,46 @@ def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarr
     )
 
 
-def chain_outcomes(tokens: np.ndarray, keep: np.ndarray,
-                   sampled: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per node of each row's chain (``tokens`` and the ``keep`` mask ``[rows, N]``), given the
-    tokens the target ``sampled`` for the row: accepted (every node up to it kept and matching
-    its sampled token before the last) and observed (kept, its parent accepted, the step sampled
-    past its depth, and not the last sampled token's match: the scheduler cut it), bool
-    ``[rows, N]`` each."""
-    return load_extension().chain_outcomes(np.ascontiguousarray(tokens, np.int32), np.ascontiguousarray(keep, bool),
-                                           sampled)
+@dataclass(frozen=True)
+class OutcomeTally:
+    """What one step's read-back counted: verified nodes observed and accepted, first nodes of
+    greedy rows that sent none learned from the sampled token, and of those the hits; and per
+    source code the nodes observed and accepted (``[2, sources]`` int64)."""
+
+    observed: int
+    accepted: int
+    unsent_observed: int
+    unsent_accepted: int
+    by_code: np.ndarray
+
+
+def count_chain_outcomes(tokens: np.ndarray, keep: np.ndarray, bucket: np.ndarray, chance: np.ndarray,
+                         source: np.ndarray, unsent_first: np.ndarray | None, step_rows: np.ndarray,
+                         sampled: Sequence[Sequence[int]], counts: Sequence[np.ndarray],
+                         token_sums: tuple[np.ndarray, np.ndarray] | None) -> OutcomeTally:
+    """Read last step's chains (``[rows, N]``: tokens, the kept mask, each node's bucket, chance
+    given its parent and source flags; ``unsent_first``: the rows that kept none whose first node
+    is learned from) back from this step's ``sampled`` token lists (row ``r``'s is
+    ``sampled[step_rows[r]]``, -1: the request left) and add the outcomes, in place, to the
+    calibration's ``counts`` (accepted, observed, accepted_total, observed_total,
+    predicted_total: float64 C-contiguous, one shape) and the tokens' ``token_sums`` (predicted,
+    accepted; None: factors off; the table must hold every token id)."""
+    tally, by_code = load_extension().count_chain_outcomes(
+        np.ascontiguousarray(tokens, np.int32), np.ascontiguousarray(keep, bool),
+        np.ascontiguousarray(bucket, np.int64), np.ascontiguousarray(chance, np.float64),
+        np.ascontiguousarray(source, np.int8), None if unsent_first is None else np.ascontiguousarray(unsent_first, bool),
+        np.ascontiguousarray(step_rows, np.int64), sampled, *counts,
+        *(token_sums if token_sums is not None else (None, None)),
+    )
+    return OutcomeTally(*tally, by_code)
+
+
+def fill_chance_table(accepted: np.ndarray, observed: np.ndarray, strength: float, raw_prior_scale: float,
+                      min_chance: float, max_chance: float, chances: np.ndarray, table: np.ndarray,
+                      first_accepted: np.ndarray, first_observed: np.ndarray) -> float:
+    """Every bucket's chance from the decaying counts (``[sources, lengths, depths, probs]``
+    float64) into ``chances`` (float64) and ``table`` (float32), the depth-0 counts per
+    match-length bucket into ``first_accepted`` and ``first_observed``; returns the best first
+    chance (``csrc/chain_choice.h``, ``fill_chance_table``)."""
+    return load_extension().fill_chance_table(accepted, observed, strength, raw_prior_scale, min_chance, max_chance,
+                                              chances, table, first_accepted, first_observed)
