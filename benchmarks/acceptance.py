@@ -191,6 +191,8 @@ CONFIGS: dict[str, dict] = {
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).
     "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
+    # The full language-model head on every step instead of the screened one (cpu_screened_head, default on).
+    "rest_k32_full_head": _ours("RestProposer", 32, cpu_screened_head=False),
     # ... and the skinny GEMM up to 32 rows named whatever the default, 48 or 96 (8 in flight drafting up to 3, 5
     # or 11 tokens each stay on it).
     **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (32, 48, 96)},

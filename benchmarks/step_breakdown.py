@@ -1,7 +1,8 @@
 """Where a speculative step's time goes, per config, on the real model (in-process vLLM, fp32):
 wall-clock time per step of the runner's phases (the forward, sampling and verification, our
 drafting, input preparation, the scheduler) and, for our proposers, of the parts of drafting
-(the goodput budget's search skip, choice and read-back, the drafter's search, the metrics).
+(the goodput budget's search skip, choice and read-back, the drafter's search, the metrics), and
+how many steps computed the language-model head on its screened path.
 Every config's engine is built at once and the prompts run in groups of ``--concurrency``, every
 engine in turn with the order rotating (as ``acceptance.py --interleave``), so that the
 machine's drift falls on all alike. Methods are timed by plain wrappers (no profiler: a profiler
@@ -128,6 +129,7 @@ def measure(model: Path, names: list[str], prompts: list[str], args: argparse.Na
         parts.wrap(owner, method, label)
     engines = {name: timed_engine(model, name, args) for name in names}
     drafting = {name: Clock() for name in names}
+    screened = {}
     try:
         for llm, clock in engines.values():
             generate(llm, prompts[:1], 8)
@@ -142,14 +144,17 @@ def measure(model: Path, names: list[str], prompts: list[str], args: argparse.Na
             for label, seconds in parts.seconds.items():
                 drafting[name].seconds[label] += seconds
                 drafting[name].calls[label] += parts.calls[label]
+        for name, (llm, _) in engines.items():
+            head = getattr(runner_of(llm), "vrs_screened_head", None)
+            screened[name] = None if head is None else head.screened_calls
     finally:
         for llm, _ in engines.values():
             shutdown_llm(llm)
     results = {}
     for name, (_, clock) in engines.items():
         steps = clock.calls["execute_model"]
-        results[name] = {"seconds": wall[name], "steps": steps, "phases": clock.per_step(steps),
-                         "drafting_parts": drafting[name].per_step(steps)}
+        results[name] = {"seconds": wall[name], "steps": steps, "screened_head_calls": screened.get(name),
+                         "phases": clock.per_step(steps), "drafting_parts": drafting[name].per_step(steps)}
     return results
 
 
@@ -160,6 +165,8 @@ def print_table(results: dict) -> None:
     print(f"{'ms per engine step':40s}" + "".join(f"{name:>16s}" for name in names))
     print(f"{'wall seconds':40s}" + "".join(f"{results[n]['seconds']:16.2f}" for n in names))
     print(f"{'engine steps':40s}" + "".join(f"{results[n]['steps']:16d}" for n in names))
+    screened = ["-" if results[n]["screened_head_calls"] is None else results[n]["screened_head_calls"] for n in names]
+    print(f"{'steps on the screened head':40s}" + "".join(f"{calls:>16}" for calls in screened))
     for label in labels:
         cells = []
         for name in names:

@@ -29,6 +29,32 @@ struct SkinnyGemmArgs {
 
 void skinny_gemm_cpu(const SkinnyGemmArgs& args);
 
+// A language-model head's step for an argmax: the weights' bfloat16 copy (packed as skinny_gemm's,
+// each weight rounded to nearest) gives every output within a bound of its exact value
+// (2^-8 + rounding of the sums, times |x|·|w_n|, Cauchy-Schwarz), so that only the panels whose
+// bound reaches the largest lower bound among the first valid_features outputs can hold the
+// row's largest output; those panels are computed as skinny_gemm_cpu computes them (the same
+// code, bit for bit), every other output is -inf. Half the weight bytes of a full pass, for the
+// same argmax (first index on ties).
+struct ScreenedHeadArgs {
+  const float* x;            // [rows, in_features], rows contiguous
+  const uint16_t* w_bf16;    // packed as w, in bfloat16
+  const float* w;            // packed float32 weights (skinny_gemm's layout)
+  const float* norms;        // [out_features]: each output's weight row's Euclidean norm, rounded up
+  const float* panel_norms;  // [panels]: the largest of its panel's norms
+  float* y;                  // [rows, out_features]
+  float* panel_max;          // scratch [rows, panels] (the call allocates it)
+  int64_t rows;
+  int64_t in_features;
+  int64_t out_features;
+  int64_t valid_features;  // the outputs an argmax reads (the rest: padding), 1..out_features
+};
+
+// Fills y as above; false (y then holds no result) when x or an output computed is not finite, or
+// for more rows than screened_head_max_rows(), past which the full head is the faster.
+bool screened_head_cpu(const ScreenedHeadArgs& args);
+int64_t screened_head_max_rows();
+
 // Threads skinny_gemm_cpu runs on: torch's OpenMP team size, or 1 without one.
 int skinny_gemm_threads();
 

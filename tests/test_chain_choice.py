@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes, count_sources
-from vllm_retrieval_spec.goodput import AcceptanceCalibration, GoodputBudget, NodeCandidates, StepCostModel, choose_nodes
+from vllm_retrieval_spec.goodput import (
+    AcceptanceCalibration,
+    GoodputBudget,
+    NodeCandidates,
+    StepCostModel,
+    choose_nodes,
+)
 from vllm_retrieval_spec.goodput.budget import PendingNodes, _outcomes, _padded
 from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, MIN_CHANCE, RAW_PRIOR_SCALE, SHAPE
 from vllm_retrieval_spec.goodput.paths import node_depths, path_products
@@ -185,7 +191,8 @@ def test_the_read_back_of_chains_equals_the_numpy_path(rows, width, seed, token_
     want, got = budgets
     for expected, actual in zip(want.calibration.count_arrays(), got.calibration.count_arrays()):
         assert np.array_equal(expected, actual)
-    for expected, actual in ((want.tokens.predicted, got.tokens.predicted), (want.tokens.accepted, got.tokens.accepted)):
+    for kind in ("predicted", "accepted"):
+        expected, actual = getattr(want.tokens, kind), getattr(got.tokens, kind)
         assert np.array_equal(expected, actual[: len(expected)]) and not actual[len(expected):].any()  # grown ahead
     assert want.stats == got.stats
 

@@ -72,17 +72,20 @@ def norm_kinds(llm) -> set[str]:
 
 def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
     """With the default options, so every layer of the float32 model runs the skinny GEMM on
-    steps of up to cpu_gemm_max_rows rows (x86 with AVX2)."""
+    steps of up to cpu_gemm_max_rows rows (x86 with AVX2) and greedy steps run the screened head."""
     import vllm.model_executor.layers.utils as layer_utils
 
     vllm_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
     options = {"datastore": str(code_store)}
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
         if pays_on_this_cpu():
-            assert linear_kinds(llm) == {"SkinnyLinear"}
+            assert linear_kinds(llm) == {"SkinnyLinear", "ScreenedHead"}
         assert layer_utils.dispatch_cpu_unquantized_gemm is vllm_dispatch  # other engines keep vLLM's
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)
+        head = model_runner_of(llm).vrs_screened_head
+    if pays_on_this_cpu():
+        assert head.screened_calls > 0
     for mode, run in runs.items():
         assert_same_token_ids(baseline_runs[mode], run)
         assert run.counters.accepted_tokens > 0, mode
@@ -274,3 +277,37 @@ def test_deep_drafts_are_lossless(mode, model_dir, code_store, e2e_prompts, base
     assert drafter.params.continuation_len == DEEP_K
     if mode == "chain":
         assert drafter.session.budget.stats.chosen_nodes > 0
+
+
+@pytest.mark.skipif(not pays_on_this_cpu(), reason="the skinny GEMM (and so the screened head) runs on x86 with AVX2")
+def test_the_screened_head_serves_only_steps_that_take_an_argmax(model_dir, code_store, e2e_prompts):
+    """Greedy steps run on the screened head; steps of requests asking for logprobs, or sampling,
+    and prefills asking for prompt logprobs get the full head's logits: the same tokens and
+    logprobs as an engine without it."""
+    from vllm import SamplingParams
+
+    prompts = e2e_prompts[:2]
+    asks = {"logprobs": SamplingParams(temperature=0.0, max_tokens=8, logprobs=3),
+            "sampling": SamplingParams(temperature=0.8, seed=7, max_tokens=8, logprobs=1),
+            "prompt logprobs": SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2),
+            "greedy": SamplingParams(temperature=0.0, max_tokens=8)}
+
+    def served(options: dict) -> tuple[dict, dict]:
+        spec = speculative(model_dir, "vllm_retrieval_spec.RestProposer", {"datastore": str(code_store), **options})
+        outputs, screened = {}, {}
+        with running_engine(spec) as llm:
+            head = model_runner_of(llm).vrs_screened_head
+            for name, params in asks.items():
+                before = 0 if head is None else head.screened_calls
+                outputs[name] = llm.generate(prompts, params, use_tqdm=False)
+                screened[name] = (0 if head is None else head.screened_calls) - before
+        return outputs, screened
+
+    with_screen, screened = served({})
+    without, _ = served({"cpu_screened_head": False})
+    assert screened["logprobs"] == screened["sampling"] == 0 < screened["greedy"]
+    for name in asks:
+        for got, want in zip(with_screen[name], without[name]):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, name
+            assert got.outputs[0].logprobs == want.outputs[0].logprobs, name
+            assert got.prompt_logprobs == want.prompt_logprobs, name

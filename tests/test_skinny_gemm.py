@@ -1,4 +1,4 @@
-"""The skinny GEMM of verification steps equals a float64 reference, and SkinnyLinear hands every
+"""The skinny GEMM of verification steps equals a float64 reference, SkinnyLinear hands every
 call it cannot take to the layer's own GEMM."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_retrieval_spec import _C
-from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear, pack_weight, skinny_gemm
+from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, ScreenedHead, SkinnyLinear, pack_weight, skinny_gemm
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,3 +120,78 @@ def test_skinny_linear_refuses_weights_it_cannot_read():
     assert not SkinnyLinear.accepts(torch.empty(4, 4, device="meta"))
     with pytest.raises(ValueError, match="contiguous 2-D float32"):
         SkinnyLinear(torch.randn(3, 4, 4), torch.nn.functional.linear, 4)
+
+
+def screened(head: ScreenedHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    head.screen_next(True)
+    return head(x, weight, None)
+
+
+@st.composite
+def heads(draw):
+    """A head whose rows come in near-tied groups (copies, copies one rounding apart, copies within
+    bfloat16's resolution) beside random ones, padding rows past ``valid`` that would win, and
+    hidden states."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = draw(st.integers(2, 600)), draw(st.integers(1, 200))
+    weight = torch.randn(out_features, in_features, generator=generator) * draw(st.sampled_from([0.01, 0.1, 1.0]))
+    rows = torch.randint(0, out_features, (out_features // 3,), generator=generator)
+    weight[rows] = weight[torch.randint(0, out_features, (len(rows),), generator=generator)]  # exact ties
+    near = torch.randint(0, out_features, (out_features // 5,), generator=generator)
+    weight[near] = torch.nextafter(weight[near.flip(0)], torch.tensor(float("inf")))  # one rounding apart
+    close = torch.randint(0, out_features, (out_features // 4,), generator=generator)
+    noise = torch.randn(len(close), in_features, generator=generator) * 2**-9  # below bfloat16's resolution
+    weight[close] = weight[close.flip(0)] * (1 + noise)  # their order may differ from their bfloat16 copies'
+    valid = draw(st.integers(1, out_features))
+    weight[valid:] = weight[valid:].abs() * 10  # padding the argmax must never take
+    x = torch.randn(draw(st.integers(1, 20)), in_features, generator=generator) * draw(st.sampled_from([0.1, 3.0]))
+    return weight.contiguous(), valid, x
+
+
+@settings(max_examples=120, deadline=None)
+@given(heads())
+def test_screened_head_gives_the_full_heads_argmax_and_exact_logits(head_case):
+    """The argmax (first index on ties) over the first ``valid`` logits is the full skinny GEMM's,
+    and every logit it computes is the full one bit for bit; the rest are -inf. Past the rows
+    where the screen pays, the full logits."""
+    weight, valid, x = head_case
+    head = ScreenedHead(weight, lambda *_: pytest.fail("the fallback ran"), 32, valid)
+    full = SkinnyLinear(weight, None, 32)(x, weight, None)
+    got = screened(head, x, weight)
+    if x.shape[0] > _C.screened_head_max_rows():
+        assert head.screened_calls == 0 and torch.equal(got, full)
+        return
+    assert head.screened_calls == 1 and got.shape == full.shape
+    assert torch.equal(got[:, :valid].argmax(dim=1), full[:, :valid].argmax(dim=1))
+    computed = torch.isfinite(got)
+    assert torch.equal(got[computed], full[computed]) and (got[~computed] == float("-inf")).all()
+    assert computed.any(dim=1).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_screened_head_on_avx512_blocks_equals_avx2_blocks(rows, both_lane_widths):
+    generator = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(301, 200, generator=generator), torch.randn(rows, 200, generator=generator)
+    head = ScreenedHead(weight, None, 32, 301)
+    assert torch.equal(*both_lane_widths(lambda: screened(head, x, weight)))
+
+
+def test_screened_head_screens_only_the_call_it_was_armed_for():
+    """One armed call is screened; unarmed calls, calls past max_rows, a bias and non-finite hidden
+    states get the full logits."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(50, 8, generator=generator), torch.randn(3, 8, generator=generator)
+    full = SkinnyLinear(weight, None, 4)(x, weight, None)
+    head = ScreenedHead(weight, lambda x, w, b: torch.zeros(x.shape[0], 50), 4, 50)
+    assert torch.equal(head(x, weight, None), full)  # not armed
+    assert torch.isinf(screened(head, x, weight)).any() and head.screened_calls == 1
+    assert torch.equal(head(x, weight, None), full)  # armed once only
+    assert torch.equal(screened(head, torch.randn(5, 8, generator=generator), weight), torch.zeros(5, 50))
+    head.screen_next(True)
+    assert torch.equal(head(x, weight, torch.zeros(50)), full)
+    broken = x.clone()
+    broken[1, 2] = float("nan")
+    assert torch.isnan(screened(head, broken, weight)[1]).all() and head.screened_calls == 1
+    with pytest.raises(ValueError, match="valid_features must be in"):
+        ScreenedHead(weight, None, 4, 51)

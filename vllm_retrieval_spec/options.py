@@ -279,6 +279,15 @@ class RetrievalSpecOptions:
         "flight). 0: vLLM's GEMM everywhere",
     )
 
+    cpu_screened_head: bool = _option(
+        True, _bool,
+        "CPU build, float32 models on x86, with cpu_gemm_max_rows: steps whose requests are all greedy with "
+        "nothing processing their logits (no logprobs, penalties, biases, structured outputs) compute the "
+        "language-model head on a bfloat16 copy of its weight (half the bytes) that bounds every logit, then "
+        "exactly (the skinny GEMM's float32 sums) only the panels of 16 tokens that may hold the largest; the "
+        "tokens are those of the full head. false: the full head on every step",
+    )
+
     cpu_step_attention: bool = _option(
         True, _bool,
         "CPU build, float32 models: attention of decode and verification steps (and of prefills of up to 64 "

@@ -76,7 +76,7 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     # the runner's and its input batch's state, read every step
     *_many(RUNNER, "GPUModelRunner", INSTANCE, "drafter input_batch rejection_sampler sampler positions "
            "query_start_loc discard_request_mask device vllm_config model_config parallel_config "
-           "compilation_config"),
+           "compilation_config num_prompt_logprobs"),
     *_many(INPUT_BATCH, "InputBatch", INSTANCE, "req_ids num_reqs temperature_cpu token_ids_cpu "
            "num_tokens_no_spec req_id_to_index generators num_computed_tokens_cpu"),
     # serve's --shutdown-timeout (cli.py: time for the workers to save the output index)
@@ -111,6 +111,13 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     # the skinny GEMM of verification steps: vLLM's CPU GEMM dispatch, wrapped while our runner loads
     VllmSymbol("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", params=("layer", "remove_weight"),
                platform="cpu"),
+    # the screened head (cpu_screened_head): the head layer the dispatch meets, the model's logits
+    # processor (monotone: no soft cap, a positive scale), requests with structured outputs
+    VllmSymbol("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead", CLASS, platform="cpu"),
+    *_many("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead", INSTANCE,
+           "org_vocab_size tp_size", "cpu"),
+    *_many("vllm.model_executor.layers.logits_processor", "LogitsProcessor", INSTANCE, "soft_cap scale", "cpu"),
+    VllmSymbol("vllm.sampling_params", "SamplingParams.structured_outputs", FIELD),
     # fused norms (kernels/fused_norm.py): each float32 RMSNorm's dispatched forward, replaced per instance
     VllmSymbol("vllm.model_executor.layers.layernorm", "RMSNorm", CLASS, platform="cpu"),
     *_many("vllm.model_executor.layers.layernorm", "RMSNorm", INSTANCE,

@@ -39,7 +39,7 @@ from vllm_retrieval_spec.integration.patch_surface import (
 )
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.kernels.fused_norm import FusedRMSNorm, fused_kernels_available
-from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, SkinnyLinear, pays_on_this_cpu
+from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, ScreenedHead, SkinnyLinear, pays_on_this_cpu
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.proposers.registry import names_this_package
@@ -48,7 +48,7 @@ from vllm_retrieval_spec.verification.admission import (
     refuse_unreadable_speculation_switch,
     refuse_unrepeatable_seeds,
 )
-from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler
+from vllm_retrieval_spec.verification.sampler import TreeRejectionSampler, greedy_without_processing
 from vllm_retrieval_spec.verification.session import SpecSession, TreeModeError
 from vllm_retrieval_spec.verification.step_attention import StepAttention, step_attention_serves
 from vllm_retrieval_spec.verification.tree_attention import TreeLayer, require_supported_attention
@@ -336,10 +336,12 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     if session.tree_mode:
         _install_tree_attention(runner, session)
     if rows := _skinny_gemm_rows(runner, options):
-        _install_skinny_gemm(runner, rows)
+        _install_skinny_gemm(runner, rows, screened_head=options.cpu_screened_head)
     if options.cpu_fused_norms and runner.device.type == "cpu":
         _install_fused_norms(runner)
     _install_sampler(runner, session, options.candidate_replacement)
+    if rows and options.cpu_screened_head:
+        _arm_screened_head(runner, session)
     return session
 
 
@@ -467,23 +469,66 @@ def _install_sampler(runner: GPUModelRunner, session: SpecSession, replacement: 
     _hook(runner, "_prepare_inputs", plan_step)
 
 
+def _logits_reach_the_sampler_as_computed(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logits processor keeps the head's argmax and its ``-inf`` (no soft cap, a
+    positive scale): where it does not, the screened head stays a plain skinny GEMM."""
+    processor = getattr(model, "logits_processor", None)
+    if processor is None:
+        return False
+    require_instance_attributes(vllm_version(), {"LogitsProcessor": processor})
+    return processor.soft_cap is None and processor.scale > 0
+
+
+def _arm_screened_head(runner: GPUModelRunner, session: SpecSession) -> None:
+    """After ``_prepare_inputs``: the step's head call is screened when its logits feed an argmax per
+    row only: a chain step (no tree plan), every request greedy with nothing processing its logits
+    (:func:`greedy_without_processing`), no prompt logprobs, no structured output in flight."""
+
+    def arm(original: Callable) -> Callable:
+        def _prepare_inputs(scheduler_output, *args, **kwargs):
+            result = original(scheduler_output, *args, **kwargs)
+            head = runner.vrs_screened_head
+            if head is not None:
+                head.screen_next(session.plan is None and not session.constrained and not runner.num_prompt_logprobs
+                                 and greedy_without_processing(runner.input_batch.sampling_metadata))
+            return result
+
+        return _prepare_inputs
+
+    _hook(runner, "_prepare_inputs", arm)
+
+
 def _skinny_gemm_rows(runner: GPUModelRunner, options: RetrievalSpecOptions) -> int:
     """The most tokens a step of this runner computes on the skinny GEMM (0: vLLM's GEMM on
     every step: GPUs, or ``cpu_gemm_max_rows`` 0)."""
     return options.cpu_gemm_max_rows if runner.device.type == "cpu" else 0
 
 
-def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
+def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int, screened_head: bool = False) -> None:
     """While this runner loads its model, vLLM's CPU GEMM dispatch also hands every float32 linear
     layer of up to ``max_rows`` rows to the skinny GEMM (:mod:`~vllm_retrieval_spec.kernels.skinny_gemm`),
-    which packs the layer's weight for itself before the dispatch drops it. Other engines of the process
-    keep vLLM's dispatch. Off where the kernel has no fused multiply-add (x86 below AVX2, other CPUs)."""
+    which packs the layer's weight for itself before the dispatch drops it; with ``screened_head`` the
+    language-model head becomes a :class:`ScreenedHead` (``runner.vrs_screened_head``) where its logits
+    reach the sampler as they leave it (one tensor-parallel rank, no soft cap, a positive scale). Other
+    engines of the process keep vLLM's dispatch. Off where the kernel has no fused multiply-add (x86
+    below AVX2, other CPUs)."""
     if not pays_on_this_cpu():
         logger.info("retrieval_spec.cpu_gemm_max_rows: this CPU has no AVX2; vLLM's GEMM runs every layer")
         return
     import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     layers, packed_bytes = 0, 0
+    runner.vrs_screened_head = None
+
+    def linear_for(layer, weight: torch.Tensor, arena: HugePageArena) -> SkinnyLinear:
+        if screened_head and isinstance(layer, ParallelLMHead):
+            require_instance_attributes(vllm_version(), {"ParallelLMHead": layer})
+            if layer.tp_size == 1:
+                valid = min(int(layer.org_vocab_size), weight.shape[0])
+                runner.vrs_screened_head = ScreenedHead(weight, layer.cpu_linear, max_rows, valid, arena)
+                return runner.vrs_screened_head
+        return SkinnyLinear(weight, layer.cpu_linear, max_rows, arena)
 
     def skinny_dispatch(original: Callable, arena: HugePageArena) -> Callable:
         def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
@@ -491,7 +536,7 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
             weight = layer.weight.detach()
             original(layer, remove_weight, *args, **kwargs)
             if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
-                layer.cpu_linear = SkinnyLinear(weight, layer.cpu_linear, max_rows, arena)
+                layer.cpu_linear = linear_for(layer, weight, arena)
                 layers += 1
                 packed_bytes += layer.cpu_linear.packed.nbytes
 
@@ -506,6 +551,8 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int) -> None:
                 result = original(*args, **kwargs)
             finally:
                 layer_utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
+            if runner.vrs_screened_head is not None and not _logits_reach_the_sampler_as_computed(runner.model):
+                runner.vrs_screened_head = None
             if layers:
                 logger.info("retrieval_spec.cpu_gemm_max_rows %d: %d layers run the skinny GEMM on steps of up to %d "
                             "rows (%.0f MiB of weights packed for it beside oneDNN's)", max_rows, layers, max_rows,

@@ -10,8 +10,8 @@ it does not beat a step without drafts. The arithmetic is the NumPy path's, in t
 (``goodput/calibration.py`` ``buckets`` and ``estimate``, ``goodput/paths.py``
 ``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees still run and which
 the tests compare this kernel against; :func:`count_chain_outcomes` is ``goodput/budget.py``'s
-read-back of a step (its ``observe`` for trees) for chains. :func:`fill_chance_table` is the calibration's table of every
-bucket's chance (``kernels/chance_table_reference.py`` in NumPy).
+read-back of a step (its ``observe`` for trees) for chains. :func:`fill_chance_table` is the
+calibration's table of every bucket's chance (``kernels/chance_table_reference.py`` in NumPy).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def count_chain_outcomes(tokens: np.ndarray, keep: np.ndarray, bucket: np.ndarra
     tally, by_code = load_extension().count_chain_outcomes(
         np.ascontiguousarray(tokens, np.int32), np.ascontiguousarray(keep, bool),
         np.ascontiguousarray(bucket, np.int64), np.ascontiguousarray(chance, np.float64),
-        np.ascontiguousarray(source, np.int8), None if unsent_first is None else np.ascontiguousarray(unsent_first, bool),
+        np.ascontiguousarray(source, np.int8),
+        None if unsent_first is None else np.ascontiguousarray(unsent_first, bool),
         np.ascontiguousarray(step_rows, np.int64), sampled, *counts,
         *(token_sums if token_sums is not None else (None, None)),
     )

@@ -140,3 +140,41 @@ class SkinnyLinear:
                 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                 and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
                                       and bias.is_contiguous() and bias.numel() == self.out_features)))
+
+
+class ScreenedHead(SkinnyLinear):
+    """A language-model head's ``cpu_linear``: a :class:`SkinnyLinear` whose next call after
+    :meth:`screen_next` (a step that only takes each row's argmax) returns the exact logits (the skinny GEMM's,
+    bit for bit) of the panels of 16 tokens that may hold the row's largest among the first
+    ``valid_features``, ``-inf`` elsewhere, screened by a bfloat16 copy of the weight
+    (``csrc/skinny_gemm.h``, ``screened_head_cpu``): the same argmax from half the weight bytes."""
+
+    def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int, valid_features: int,
+                 arena: HugePageArena | None = None) -> None:
+        super().__init__(weight, fallback, max_rows, arena)
+        if not 1 <= valid_features <= self.out_features:
+            raise ValueError(f"ScreenedHead: valid_features must be in [1, {self.out_features}], got {valid_features}")
+        self.packed_bf16 = self.packed.to(torch.bfloat16)
+        norms = weight.to(torch.float64).norm(dim=1).to(torch.float32)
+        self.norms = torch.nextafter(norms, torch.tensor(float("inf")))  # rounded up: a bound, never below
+        panel = load_extension().SKINNY_GEMM_PANEL
+        self.panel_norms = torch.nn.functional.pad(self.norms, (0, -self.out_features % panel)).view(-1, panel).amax(1)
+        self.valid_features = valid_features
+        self.armed = False
+        self.screened_calls = 0
+        self._screen = load_extension().screened_head
+
+    def screen_next(self, wanted: bool) -> None:
+        """Whether the next call only feeds an argmax per row, and is screened (once)."""
+        self.armed = wanted
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        armed, self.armed = self.armed, False
+        if armed and bias is None and self._takes(x, None):
+            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+            if self._screen(x.data_ptr(), self.packed_bf16.data_ptr(), self.packed.data_ptr(), self.norms.data_ptr(),
+                            self.panel_norms.data_ptr(), out.data_ptr(), x.shape[0], self.in_features,
+                            self.out_features, self.valid_features):
+                self.screened_calls += 1
+                return out
+        return super().__call__(x, weight, bias)

@@ -119,6 +119,7 @@ class SpecSession:
     step_samples: np.ndarray | None = None  # [rows] bool: the row's request samples (temperature > 0)
     step_speculates: np.ndarray | None = None  # [rows] bool: the row's request lets us draft (None: all do)
     unspeculated: set[str] = field(default_factory=set)  # running requests that turned speculation off
+    constrained: set[str] = field(default_factory=set)  # running requests with structured outputs
     step: int = 0
     plan: TreeStepPlan | None = None
     layout_checked: bool = False
@@ -159,9 +160,14 @@ class SpecSession:
 
     def admit(self, new_requests: Iterable[object]) -> None:
         """Requests the runner starts this step (vLLM's ``NewRequestData``): remember those whose
-        own switch turned speculation off (``options.SPECULATE_ARG``) until they finish."""
-        self.unspeculated.update(request.req_id for request in new_requests
-                                 if turned_speculation_off(request.sampling_params))
+        own switch turned speculation off (``options.SPECULATE_ARG``) and those with structured
+        outputs (their logits are masked after the head) until they finish."""
+        for request in new_requests:
+            params = request.sampling_params
+            if turned_speculation_off(params):
+                self.unspeculated.add(request.req_id)
+            if params is not None and getattr(params, "structured_outputs", None) is not None:
+                self.constrained.add(request.req_id)
 
     def runner_step_began(self) -> None:
         """The runner started a step (``execute_model``): what came before it since the last
@@ -253,6 +259,7 @@ class SpecSession:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
         self.unspeculated.difference_update(req_ids)
+        self.constrained.difference_update(req_ids)
         if self.live_index is not None:
             self.live_index.remove(req_ids)
 
