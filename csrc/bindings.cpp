@@ -106,7 +106,8 @@ void skinny_gemm(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, i
 
 // The screened head (skinny_gemm.h) on tensors the caller packed and checked (kernels/skinny_gemm.py).
 bool screened_head(uintptr_t x, uintptr_t weight_bf16, uintptr_t weight, uintptr_t norms, uintptr_t panel_norms,
-                   uintptr_t out, int64_t rows, int64_t in_features, int64_t out_features, int64_t valid_features) {
+                   uintptr_t out, int64_t rows, int64_t in_features, int64_t out_features, int64_t valid_features,
+                   bool pairs) {
   if (!x || !weight_bf16 || !weight || !norms || !panel_norms || !out)
     throw std::invalid_argument("screened_head: x, the weights, norms and out must be non-null");
   if (rows < 1 || in_features < 1 || valid_features < 1 || valid_features > out_features)
@@ -115,7 +116,7 @@ bool screened_head(uintptr_t x, uintptr_t weight_bf16, uintptr_t weight, uintptr
   return vrs::screened_head_cpu({reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(weight_bf16),
                                  reinterpret_cast<const float*>(weight), reinterpret_cast<const float*>(norms),
                                  reinterpret_cast<const float*>(panel_norms), reinterpret_cast<float*>(out), nullptr,
-                                 rows, in_features, out_features, valid_features});
+                                 rows, in_features, out_features, valid_features, pairs, nullptr});
 }
 
 }  // namespace
@@ -141,12 +142,16 @@ NB_MODULE(_C, m) {
         "and checks the tensors.");
   m.def("screened_head", &screened_head, nb::arg("x"), nb::arg("weight_bf16"), nb::arg("weight"), nb::arg("norms"),
         nb::arg("panel_norms"), nb::arg("out"), nb::arg("rows"), nb::arg("in_features"), nb::arg("out_features"), nb::arg("valid_features"),
+        nb::arg("pairs"),
         "out = x @ weight.T exactly (as skinny_gemm) on the panels that may hold each row's largest of the first "
         "valid_features outputs, -inf elsewhere, screened by the bfloat16 copy of the packed weight (norms: each "
-        "output's weight row norm, rounded up; panel_norms: each panel's largest); False when x or an output is not "
-        "finite or for more rows than screened_head_max_rows(). Use vllm_retrieval_spec.kernels.skinny_gemm.ScreenedHead.");
-  m.def("screened_head_max_rows", &vrs::screened_head_max_rows,
+        "output's weight row norm, rounded up; panel_norms: each panel's largest; pairs: weight_bf16 in k-pairs, "
+        "[panels, ceil(in / 2), 16, 2], for the bfloat16 dot product); False when x or an output is not finite or "
+        "for more rows than screened_head_max_rows(pairs). Use vllm_retrieval_spec.kernels.skinny_gemm.ScreenedHead.");
+  m.def("screened_head_max_rows", &vrs::screened_head_max_rows, nb::arg("pairs"),
         "Rows up to which screened_head runs (past them the full head is the faster), on the blocks in use.");
+  m.def("screened_head_pairs", &vrs::screened_head_pairs,
+        "Whether this CPU runs screened_head's bfloat16 dot product (AVX512_BF16): its weights then go in k-pairs.");
   m.attr("SKINNY_GEMM_PANEL") = vrs::kSkinnyGemmPanel;
   m.def("skinny_gemm_threads", &vrs::skinny_gemm_threads,
         "Threads skinny_gemm runs on: torch's OpenMP team once torch is loaded, else 1.");

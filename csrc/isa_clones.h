@@ -9,6 +9,8 @@
 #define VRS_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 // A function of its own for AVX-512 (16 floats a register), called where has_wide_lanes().
 #define VRS_WIDE __attribute__((target("arch=x86-64-v4")))
+// A VRS_WIDE function that also runs the bfloat16 dot product (AVX512_BF16), where cpu_has_bf16_dot().
+#define VRS_WIDE_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #define VRS_HAS_WIDE 1
 #else
 #define VRS_ISA_CLONES
@@ -39,6 +41,16 @@ inline std::atomic<bool>& wide_lanes_switch() {
 }
 
 inline bool has_wide_lanes() { return wide_lanes_switch().load(std::memory_order_relaxed); }
+
+// Whether this CPU runs VRS_WIDE_BF16 functions (AVX-512 as above and AVX512_BF16; checked once).
+inline bool cpu_has_bf16_dot() {
+#if VRS_HAS_WIDE
+  static const bool dot = cpu_has_wide_lanes() && __builtin_cpu_supports("avx512bf16");
+  return dot;
+#else
+  return false;
+#endif
+}
 
 // Turns the wide paths on (where the CPU has them) or off; returns whether they were on.
 inline bool use_wide_lanes(bool enabled) { return wide_lanes_switch().exchange(enabled && cpu_has_wide_lanes()); }

@@ -10,6 +10,10 @@
 #include <vector>
 
 #include "isa_clones.h"
+
+#if VRS_HAS_WIDE
+#include <immintrin.h>
+#endif
 #include "parallel.h"
 
 namespace vrs {
@@ -351,13 +355,104 @@ VRS_WIDE void wide_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t
     }
   }
 }
+// The bfloat16 dot product's pass (AVX512_BF16): each lane multiplies a k-pair of x (rounded to
+// bfloat16) by its column's k-pair of weights and adds both to its float32 sum, one instruction a
+// pair: y[m + r, columns of panels panel .. panel + P - 1].
+template <int M, int P>
+VRS_WIDE_BF16 VRS_INLINE void dot_bf16_block(const ScreenedHeadArgs& a, int64_t panel, int64_t m) {
+  const int64_t pairs = (a.in_features + 1) / 2;
+  const uint16_t* w = a.w_bf16 + panel * pairs * 2 * kSkinnyGemmPanel;
+  const uint32_t* x = a.x_pairs + m * pairs;
+  __m512 acc[M][P];
+  for (int r = 0; r < M; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i wp[P];
+    for (int p = 0; p < P; ++p) {
+      __builtin_prefetch(w + (p * pairs + j + kWidePrefetchLines) * 2 * kSkinnyGemmPanel, 0, 3);
+      wp[p] = _mm512_loadu_si512(w + (p * pairs + j) * 2 * kSkinnyGemmPanel);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * pairs + j]));
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)wp[p], (__m512bh)xv);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = (panel + p) * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
+    float* y = a.y + m * a.out_features + n;
+    for (int r = 0; r < M; ++r, y += a.out_features) {
+      float sums[kSkinnyGemmPanel];
+      _mm512_storeu_ps(sums, acc[r][p]);
+      std::memcpy(y, sums, columns * sizeof(float));
+      keep_panel_max(a, m + r, panel + p, sums);
+    }
+  }
+}
+
+template <int P>
+VRS_WIDE_BF16 VRS_INLINE void dot_bf16_blocks(const ScreenedHeadArgs& a, int64_t panel, int64_t& m, int64_t rows,
+                                              int64_t count) {
+  for (int64_t i = 0; i < count; ++i, m += rows) {
+    switch (rows) {
+      case 12: dot_bf16_block<12, P>(a, panel, m); break;
+      case 11: dot_bf16_block<11, P>(a, panel, m); break;
+      case 10: dot_bf16_block<10, P>(a, panel, m); break;
+      case 9: dot_bf16_block<9, P>(a, panel, m); break;
+      case 8: dot_bf16_block<8, P>(a, panel, m); break;
+      case 7: dot_bf16_block<7, P>(a, panel, m); break;
+      case 6: dot_bf16_block<6, P>(a, panel, m); break;
+      case 5: dot_bf16_block<5, P>(a, panel, m); break;
+      case 4: dot_bf16_block<4, P>(a, panel, m); break;
+      case 3: dot_bf16_block<3, P>(a, panel, m); break;
+      case 2: dot_bf16_block<2, P>(a, panel, m); break;
+      default: dot_bf16_block<1, P>(a, panel, m); break;
+    }
+  }
+}
+
+// The dot product's pass over panels [begin, end), as wide_panels blocks them.
+VRS_WIDE_BF16 void dot_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
+  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count,
+                larger = a.rows % count;
+  for (int64_t panel = begin; panel < end; panel += 2) {
+    int64_t m = 0;
+    if (panel + 1 < end) {
+      dot_bf16_blocks<2>(a, panel, m, size + 1, larger);
+      dot_bf16_blocks<2>(a, panel, m, size, count - larger);
+    } else {
+      dot_bf16_blocks<1>(a, panel, m, size + 1, larger);
+      dot_bf16_blocks<1>(a, panel, m, size, count - larger);
+    }
+  }
+}
 #else
 void wide_bf16_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
+void dot_bf16_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
 #endif
 
 void any_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
-  if (has_wide_lanes()) wide_bf16_panels(a, begin, end);
+  if (a.pairs) dot_bf16_panels(a, begin, end);
+  else if (has_wide_lanes()) wide_bf16_panels(a, begin, end);
   else bf16_panels(a, begin, end);
+}
+
+// A float rounded to bfloat16 (to nearest, ties to even; finite values).
+uint32_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// x in bfloat16 k-pairs, [rows, ceil(K / 2)] (an odd K's last pair padded with 0).
+std::vector<uint32_t> x_in_pairs(const ScreenedHeadArgs& a) {
+  const int64_t K = a.in_features, pairs = (K + 1) / 2;
+  std::vector<uint32_t> out(a.rows * pairs);
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t j = 0; j < pairs; ++j) {
+      const float* x = a.x + r * K + 2 * j;
+      out[r * pairs + j] = to_bf16(x[0]) | (2 * j + 1 < K ? to_bf16(x[1]) << 16 : 0u);
+    }
+  return out;
 }
 
 // `pass(args, begin, end)` over `count` panels, shared by the OpenMP team (panels worth it).
@@ -386,15 +481,17 @@ void over_panels(const Args& args, int64_t count) {
 // conversions a register).
 constexpr int64_t kScreenedRowsWide = 16;
 constexpr int64_t kScreenedRowsNarrow = 4;
+constexpr int64_t kScreenedRowsDot = 32;
 
 // How far a bfloat16 pass's output may lie from the exact one, per unit of |x|·|w_n|: the
-// weights' rounding (2^-8 relative) and both sums' float32 roundings over in_features terms
-// (gamma = (K + 1)·2^-24 / (1 - (K + 1)·2^-24), the terms bounded by (1 + 2^-8)·|x|·|w_n|), with
-// slack for the bound's own arithmetic.
-double screen_bound(int64_t in_features) {
-  const double unit = std::ldexp(1.0, -24), bf16 = std::ldexp(1.0, -8);
+// weights' rounding (2^-8 relative) and, with pairs, x's, and both sums' float32 roundings over
+// in_features terms (gamma = (K + 1)·2^-24 / (1 - (K + 1)·2^-24), the screen's terms bounded by
+// (1 + 2^-8)^2·|x|·|w_n|), with slack for the bound's own arithmetic.
+double screen_bound(int64_t in_features, bool pairs) {
+  const double unit = std::ldexp(1.0, -24), bf16 = std::ldexp(1.0, -8), x_rounding = pairs ? bf16 : 0.0;
   const double gamma = (in_features + 1) * unit / (1.0 - (in_features + 1) * unit);
-  return (bf16 + gamma * (2.0 + bf16)) * (1.0 + std::ldexp(1.0, -20));
+  return (bf16 + x_rounding + bf16 * x_rounding + gamma * (1.0 + (1.0 + bf16) * (1.0 + x_rounding))) *
+         (1.0 + std::ldexp(1.0, -20));
 }
 
 // One row of y (its bfloat16 pass done): -inf but on the panels that may hold the row's largest
@@ -409,17 +506,19 @@ bool keep_candidate_panels(const ScreenedHeadArgs& a, int64_t row, double bound)
   double x_norm = 0.0;
   for (int64_t k = 0; k < K; ++k) x_norm += static_cast<double>(x[k]) * x[k];
   x_norm = std::sqrt(x_norm);
-  // Subnormal weights round to bfloat16 within 2^-134 each: at most 2^-134·sqrt(K)·|x| in all.
-  const double scale = bound * x_norm, floor = std::ldexp(std::sqrt(static_cast<double>(K)), -134) * x_norm;
+  // Beside the relative bound: subnormals, rounded to bfloat16 within 2^-134 each, or flushed to 0
+  // by the dot product (inputs and sums below 2^-126): at most K·2^-125·(1 + |x| + |w_n|) in all.
+  const double scale = bound * x_norm, floor = std::ldexp(static_cast<double>(K), -125);
+  const auto within = [&](double w_norm) { return scale * w_norm + floor * (1.0 + x_norm + w_norm); };
   const int64_t top = std::max_element(panel_max, panel_max + panels) - panel_max;
   double lower = -INFINITY;
   for (int64_t n = top * kSkinnyGemmPanel; n < std::min(a.valid_features, (top + 1) * kSkinnyGemmPanel); ++n)
-    lower = std::max(lower, y[n] - (scale * a.norms[n] + floor));
+    lower = std::max(lower, y[n] - within(a.norms[n]));
   if (!std::isfinite(lower)) return false;
   const SkinnyGemmArgs exact{x, a.w, nullptr, y, 1, K, N};
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n = p * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, N - n);
-    if (!(panel_max[p] + (scale * a.panel_norms[p] + floor) >= lower)) {
+    if (!(panel_max[p] + within(a.panel_norms[p]) >= lower)) {
       std::fill(y + n, y + n + columns, -INFINITY);
       continue;
     }
@@ -438,22 +537,28 @@ void skinny_gemm_cpu(const SkinnyGemmArgs& args) {
   over_panels<SkinnyGemmArgs, any_panels>(args, (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel);
 }
 
-int64_t screened_head_max_rows() { return has_wide_lanes() ? kScreenedRowsWide : kScreenedRowsNarrow; }
+int64_t screened_head_max_rows(bool pairs) {
+  return pairs ? kScreenedRowsDot : has_wide_lanes() ? kScreenedRowsWide : kScreenedRowsNarrow;
+}
+
+bool screened_head_pairs() { return cpu_has_bf16_dot(); }
 
 bool screened_head_cpu(const ScreenedHeadArgs& args) {
-  if (args.rows > screened_head_max_rows()) return false;
+  if (args.rows > screened_head_max_rows(args.pairs) || (args.pairs && !cpu_has_bf16_dot())) return false;
   for (int64_t i = 0; i < args.rows * args.in_features; ++i)
     if (!std::isfinite(args.x[i])) return false;
   std::vector<float> panel_max(args.rows * ((args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel));
   ScreenedHeadArgs with_scratch = args;
   with_scratch.panel_max = panel_max.data();
+  const std::vector<uint32_t> x_pairs = args.pairs ? x_in_pairs(args) : std::vector<uint32_t>();
+  with_scratch.x_pairs = x_pairs.data();
   over_panels<ScreenedHeadArgs, any_bf16_panels>(with_scratch,
                                                  (args.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel);
   struct Rows {
     const ScreenedHeadArgs* args;
     double bound;
     std::atomic<bool> finite{true};
-  } task{&with_scratch, screen_bound(args.in_features)};
+  } task{&with_scratch, screen_bound(args.in_features, args.pairs)};
   const auto rows = [](void* context) {
     auto& t = *static_cast<Rows*>(context);
     const int64_t size = omp_team_size(), me = omp_team_member(), count = t.args->rows;

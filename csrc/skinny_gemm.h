@@ -38,7 +38,7 @@ void skinny_gemm_cpu(const SkinnyGemmArgs& args);
 // same argmax (first index on ties).
 struct ScreenedHeadArgs {
   const float* x;            // [rows, in_features], rows contiguous
-  const uint16_t* w_bf16;    // packed as w, in bfloat16
+  const uint16_t* w_bf16;    // packed as w in bfloat16 or, with pairs, in k-pairs: [panels, ceil(K / 2), 16, 2]
   const float* w;            // packed float32 weights (skinny_gemm's layout)
   const float* norms;        // [out_features]: each output's weight row's Euclidean norm, rounded up
   const float* panel_norms;  // [panels]: the largest of its panel's norms
@@ -48,12 +48,19 @@ struct ScreenedHeadArgs {
   int64_t in_features;
   int64_t out_features;
   int64_t valid_features;  // the outputs an argmax reads (the rest: padding), 1..out_features
+  bool pairs;              // w_bf16 in k-pairs, for the bfloat16 dot product (screened_head_pairs())
+  const uint32_t* x_pairs;  // scratch: x in bfloat16 k-pairs (the call fills it)
 };
 
 // Fills y as above; false (y then holds no result) when x or an output computed is not finite, or
 // for more rows than screened_head_max_rows(), past which the full head is the faster.
 bool screened_head_cpu(const ScreenedHeadArgs& args);
-int64_t screened_head_max_rows();
+int64_t screened_head_max_rows(bool pairs);
+
+// Whether screened_head_cpu takes its weights in k-pairs: this CPU runs the bfloat16 dot product
+// (AVX512_BF16), which multiplies x rounded to bfloat16 too (a bound of 2^-7 instead of 2^-8),
+// two k a lane, at twice the multiply-adds of a float32 lane.
+bool screened_head_pairs();
 
 // Threads skinny_gemm_cpu runs on: torch's OpenMP team size, or 1 without one.
 int skinny_gemm_threads();

@@ -147,14 +147,17 @@ class ScreenedHead(SkinnyLinear):
     :meth:`screen_next` (a step that only takes each row's argmax) returns the exact logits (the skinny GEMM's,
     bit for bit) of the panels of 16 tokens that may hold the row's largest among the first
     ``valid_features``, ``-inf`` elsewhere, screened by a bfloat16 copy of the weight
-    (``csrc/skinny_gemm.h``, ``screened_head_cpu``): the same argmax from half the weight bytes."""
+    (``csrc/skinny_gemm.h``, ``screened_head_cpu``): the same argmax from half the weight bytes. The
+    copy is in k-pairs for the bfloat16 dot product where the CPU runs it (``pairs`` None), or as
+    ``pairs`` says (tests; pairs on a CPU without it: every call gets the full logits)."""
 
     def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int, valid_features: int,
-                 arena: HugePageArena | None = None) -> None:
+                 arena: HugePageArena | None = None, pairs: bool | None = None) -> None:
         super().__init__(weight, fallback, max_rows, arena)
         if not 1 <= valid_features <= self.out_features:
             raise ValueError(f"ScreenedHead: valid_features must be in [1, {self.out_features}], got {valid_features}")
-        self.packed_bf16 = self.packed.to(torch.bfloat16)
+        self.pairs = load_extension().screened_head_pairs() if pairs is None else pairs
+        self.packed_bf16 = _in_k_pairs(self.packed) if self.pairs else self.packed.to(torch.bfloat16)
         norms = weight.to(torch.float64).norm(dim=1).to(torch.float32)
         self.norms = torch.nextafter(norms, torch.tensor(float("inf")))  # rounded up: a bound, never below
         panel = load_extension().SKINNY_GEMM_PANEL
@@ -174,7 +177,15 @@ class ScreenedHead(SkinnyLinear):
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             if self._screen(x.data_ptr(), self.packed_bf16.data_ptr(), self.packed.data_ptr(), self.norms.data_ptr(),
                             self.panel_norms.data_ptr(), out.data_ptr(), x.shape[0], self.in_features,
-                            self.out_features, self.valid_features):
+                            self.out_features, self.valid_features, self.pairs):
                 self.screened_calls += 1
                 return out
         return super().__call__(x, weight, bias)
+
+
+def _in_k_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """Packed weights ``[panels, in, 16]`` in bfloat16 k-pairs, ``[panels, ceil(in / 2), 16, 2]`` (an odd
+    ``in``'s last pair padded with 0): the layout of the bfloat16 dot product, two k a lane."""
+    panels, in_features, panel = packed.shape
+    even = torch.nn.functional.pad(packed, (0, 0, 0, in_features % 2))
+    return even.view(panels, -1, 2, panel).transpose(2, 3).contiguous().to(torch.bfloat16)
