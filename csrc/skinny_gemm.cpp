@@ -25,12 +25,27 @@ constexpr int kRowBlock = 6;  // rows of x per block: 12 accumulators + 2 weight
 constexpr int64_t kPanelsPerThread = 4;
 
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 VRS_INLINE Lanes load(const float* p) {
   Lanes v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+// A vector of bfloat16 weights as floats (a bfloat16 is a float's upper half).
+template <typename Floats, typename Bfloat16s, typename Words>
+VRS_INLINE Floats from_bf16(const uint16_t* p) {
+  Bfloat16s h;
+  std::memcpy(&h, p, sizeof(h));
+  const Words words = __builtin_convertvector(h, Words) << 16;
+  Floats v;
+  std::memcpy(&v, &words, sizeof(v));
+  return v;
+}
+
+VRS_INLINE Lanes load(const uint16_t* p) { return from_bf16<Lanes, Halves, Words>(p); }
 
 VRS_INLINE void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -40,11 +55,40 @@ VRS_INLINE Lanes splat(float s) {
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
-// y[m + r, panel's columns] for r < M.
-template <int M>
-VRS_INLINE void block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
+// The weights a pass reads: the skinny GEMM's float32 panels, the screened head's bfloat16 ones.
+VRS_INLINE const float* weights(const SkinnyGemmArgs& a) { return a.w; }
+VRS_INLINE const uint16_t* weights(const ScreenedHeadArgs& a) { return a.w_bf16; }
+
+// A block's sums for one row of y, `panel`'s 16 columns: the skinny GEMM's outputs (plus bias)...
+VRS_INLINE void finish_row(const SkinnyGemmArgs& a, int64_t row, int64_t panel, const float* sums) {
+  const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
+  float* y = a.y + row * a.out_features + n;
+  for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
+}
+
+// ... or the screened head's approximate outputs and the panel's largest valid one (-inf: none).
+VRS_INLINE void finish_row(const ScreenedHeadArgs& a, int64_t row, int64_t panel, const float* sums) {
+  const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
+  std::memcpy(a.y + row * a.out_features + n, sums, columns * sizeof(float));
+  const int64_t valid = std::min(kSkinnyGemmPanel, a.valid_features - n);
+  float largest = -INFINITY;
+  if (valid == kSkinnyGemmPanel) {  // the usual panel: a tree of vector maxima
+    Lanes v = load(sums), w = load(sums + kLanes);
+    v = v > w ? v : w;
+    const Lanes half = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = half > v ? half : v;
+    for (int c = 0; c < 4; ++c) largest = v[c] > largest ? v[c] : largest;
+  } else {
+    for (int64_t c = 0; c < valid; ++c) largest = sums[c] > largest ? sums[c] : largest;
+  }
+  a.panel_max[row * ((a.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel) + panel] = largest;
+}
+
+// Rows m .. m + M - 1 of y, one panel's columns.
+template <int M, typename Args>
+VRS_INLINE void block(const Args& a, int64_t panel, int64_t m) {
   const int64_t K = a.in_features;
-  const float* w = a.w + panel * K * kSkinnyGemmPanel;
+  const auto* w = weights(a) + panel * K * kSkinnyGemmPanel;
   const float* x = a.x + m * K;
   Lanes acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = Lanes{};
@@ -56,18 +100,17 @@ VRS_INLINE void block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
       acc[r][1] += w1 * xv;
     }
   }
-  const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-  float* y = a.y + m * a.out_features + n;
-  for (int r = 0; r < M; ++r, y += a.out_features) {
+  for (int r = 0; r < M; ++r) {
     float sums[kSkinnyGemmPanel];
     store(sums, acc[r][0]);
     store(sums + kLanes, acc[r][1]);
-    for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
+    finish_row(a, m + r, panel, sums);
   }
 }
 
 // `count` blocks of `rows` rows (1 to kRowBlock) of x from row m on, m advanced past them.
-VRS_INLINE void blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t rows, int64_t count) {
+template <typename Args>
+VRS_INLINE void blocks(const Args& a, int64_t panel, int64_t& m, int64_t rows, int64_t count) {
   for (int64_t i = 0; i < count; ++i, m += rows) {
     switch (rows) {
       case 6: block<6>(a, panel, m); break;
@@ -82,7 +125,8 @@ VRS_INLINE void blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64
 
 // Panels [begin, end) for every row; the rows split into blocks of at most kRowBlock, as even as
 // they go (8 rows: 4 + 4, not 6 + 2, a block of few rows being bound by its loads).
-VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
+template <typename Args>
+VRS_INLINE void narrow_pass(const Args& a, int64_t begin, int64_t end) {
   const int64_t count = (a.rows + kRowBlock - 1) / kRowBlock, size = a.rows / count, larger = a.rows % count;
   for (int64_t panel = begin; panel < end; ++panel) {
     int64_t m = 0;
@@ -90,6 +134,9 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
     blocks(a, panel, m, size, count - larger);
   }
 }
+
+VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) { narrow_pass(a, begin, end); }
+VRS_ISA_CLONES void bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) { narrow_pass(a, begin, end); }
 
 #if VRS_HAS_WIDE
 // AVX-512: a panel's 16 columns fill one register, so a block takes two panels (or one at the
@@ -99,11 +146,13 @@ VRS_ISA_CLONES void panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) 
 // compute.
 constexpr int kWideLanes = 16;
 constexpr int kWideRowBlock = 12;
-// Each panel's weights asked for 64 k (4 KiB) ahead: the hardware prefetchers stop at every page
-// (1 row: 31 -> 22 ms a pass over the model's layers, 8 rows: 41 -> 25 ms; 32 k ahead gained less).
-constexpr int64_t kWidePrefetchLines = 64;
+// Each panel's weights asked for 4 KiB ahead: the hardware prefetchers stop at every page (1 row:
+// 31 -> 22 ms a pass over the model's layers, 8 rows: 41 -> 25 ms; 2 KiB ahead gained less).
+constexpr int64_t kWidePrefetchBytes = 4096;
 
 typedef float WideLanes __attribute__((vector_size(kWideLanes * sizeof(float))));
+typedef uint16_t WideHalves __attribute__((vector_size(kWideLanes * sizeof(uint16_t))));
+typedef uint32_t WideWords __attribute__((vector_size(kWideLanes * sizeof(uint32_t))));
 
 VRS_WIDE VRS_INLINE WideLanes wide_load(const float* p) {
   WideLanes v;
@@ -111,16 +160,19 @@ VRS_WIDE VRS_INLINE WideLanes wide_load(const float* p) {
   return v;
 }
 
+VRS_WIDE VRS_INLINE WideLanes wide_load(const uint16_t* p) { return from_bf16<WideLanes, WideHalves, WideWords>(p); }
+
 VRS_WIDE VRS_INLINE WideLanes wide_splat(float s) {
   const WideLanes v = {s};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
-// y[m + r, columns of panels panel .. panel + P - 1] for r < M.
-template <int M, int P>
-VRS_WIDE VRS_INLINE void wide_block(const SkinnyGemmArgs& a, int64_t panel, int64_t m) {
+// Rows m .. m + M - 1 of y, the columns of panels panel .. panel + P - 1.
+template <int M, int P, typename Args>
+VRS_WIDE VRS_INLINE void wide_block(const Args& a, int64_t panel, int64_t m) {
   const int64_t K = a.in_features;
-  const float* w = a.w + panel * K * kSkinnyGemmPanel;
+  const auto* w = weights(a) + panel * K * kSkinnyGemmPanel;
+  const int64_t ahead = kWidePrefetchBytes / (kSkinnyGemmPanel * sizeof(*w));
   const float* x = a.x + m * K;
   WideLanes acc[M][P];
   for (int r = 0; r < M; ++r)
@@ -128,7 +180,7 @@ VRS_WIDE VRS_INLINE void wide_block(const SkinnyGemmArgs& a, int64_t panel, int6
   for (int64_t k = 0; k < K; ++k) {
     WideLanes wp[P];
     for (int p = 0; p < P; ++p) {
-      __builtin_prefetch(w + (p * K + k + kWidePrefetchLines) * kSkinnyGemmPanel, 0, 3);
+      __builtin_prefetch(w + (p * K + k + ahead) * kSkinnyGemmPanel, 0, 3);
       wp[p] = wide_load(w + (p * K + k) * kSkinnyGemmPanel);
     }
     for (int r = 0; r < M; ++r) {
@@ -136,56 +188,89 @@ VRS_WIDE VRS_INLINE void wide_block(const SkinnyGemmArgs& a, int64_t panel, int6
       for (int p = 0; p < P; ++p) acc[r][p] += wp[p] * xv;
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = (panel + p) * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-    float* y = a.y + m * a.out_features + n;
-    for (int r = 0; r < M; ++r, y += a.out_features) {
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < M; ++r) {
       float sums[kSkinnyGemmPanel];
       std::memcpy(sums, &acc[r][p], sizeof(sums));
-      for (int64_t c = 0; c < columns; ++c) y[c] = sums[c] + (a.bias ? a.bias[n + c] : 0.0f);
+      finish_row(a, m + r, panel + p, sums);
     }
-  }
 }
 
-template <int P>
-VRS_WIDE VRS_INLINE void wide_blocks(const SkinnyGemmArgs& a, int64_t panel, int64_t& m, int64_t rows,
-                                     int64_t count) {
-  for (int64_t i = 0; i < count; ++i, m += rows) {
-    switch (rows) {
-      case 12: wide_block<12, P>(a, panel, m); break;
-      case 11: wide_block<11, P>(a, panel, m); break;
-      case 10: wide_block<10, P>(a, panel, m); break;
-      case 9: wide_block<9, P>(a, panel, m); break;
-      case 8: wide_block<8, P>(a, panel, m); break;
-      case 7: wide_block<7, P>(a, panel, m); break;
-      case 6: wide_block<6, P>(a, panel, m); break;
-      case 5: wide_block<5, P>(a, panel, m); break;
-      case 4: wide_block<4, P>(a, panel, m); break;
-      case 3: wide_block<3, P>(a, panel, m); break;
-      case 2: wide_block<2, P>(a, panel, m); break;
-      default: wide_block<1, P>(a, panel, m); break;
+// The bfloat16 dot product's block (AVX512_BF16): each lane multiplies a k-pair of x (rounded to
+// bfloat16) by its column's k-pair of weights and adds both to its float32 sum, one instruction a
+// pair.
+template <int M, int P>
+VRS_WIDE_BF16 VRS_INLINE void dot_block(const ScreenedHeadArgs& a, int64_t panel, int64_t m) {
+  const int64_t pairs = (a.in_features + 1) / 2;
+  const uint16_t* w = a.w_bf16 + panel * pairs * 2 * kSkinnyGemmPanel;
+  const int64_t ahead = kWidePrefetchBytes / (2 * kSkinnyGemmPanel * sizeof(*w));
+  const uint32_t* x = a.x_pairs + m * pairs;
+  __m512 acc[M][P];
+  for (int r = 0; r < M; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i wp[P];
+    for (int p = 0; p < P; ++p) {
+      __builtin_prefetch(w + (p * pairs + j + ahead) * 2 * kSkinnyGemmPanel, 0, 3);
+      wp[p] = _mm512_loadu_si512(w + (p * pairs + j) * 2 * kSkinnyGemmPanel);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * pairs + j]));
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)wp[p], (__m512bh)xv);
     }
   }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < M; ++r) {
+      float sums[kSkinnyGemmPanel];
+      _mm512_storeu_ps(sums, acc[r][p]);
+      finish_row(a, m + r, panel + p, sums);
+    }
 }
 
-// Panels [begin, end) for every row, two at a time, the rows in blocks of at most kWideRowBlock
-// as even as they go.
-VRS_WIDE void wide_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
-  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count,
-                larger = a.rows % count;
-  for (int64_t panel = begin; panel < end; panel += 2) {
-    int64_t m = 0;
-    if (panel + 1 < end) {
-      wide_blocks<2>(a, panel, m, size + 1, larger);
-      wide_blocks<2>(a, panel, m, size, count - larger);
-    } else {
-      wide_blocks<1>(a, panel, m, size + 1, larger);
-      wide_blocks<1>(a, panel, m, size, count - larger);
-    }
+// The body of a wide pass over panels [begin, end) of `a`: two panels at a time (one at the end
+// of a share), the rows in blocks of at most kWideRowBlock as even as they go, each block
+// BLOCK<rows, panels>(a, panel, m). Macros, not templates, so that each pass keeps its own target
+// (a function cannot inline one of a wider target).
+#define VRS_WIDE_ROWS(BLOCK, P, rows)                       \
+  switch (rows) {                                           \
+    case 12: BLOCK<12, P>(a, panel, m); break;              \
+    case 11: BLOCK<11, P>(a, panel, m); break;              \
+    case 10: BLOCK<10, P>(a, panel, m); break;              \
+    case 9: BLOCK<9, P>(a, panel, m); break;                \
+    case 8: BLOCK<8, P>(a, panel, m); break;                \
+    case 7: BLOCK<7, P>(a, panel, m); break;                \
+    case 6: BLOCK<6, P>(a, panel, m); break;                \
+    case 5: BLOCK<5, P>(a, panel, m); break;                \
+    case 4: BLOCK<4, P>(a, panel, m); break;                \
+    case 3: BLOCK<3, P>(a, panel, m); break;                \
+    case 2: BLOCK<2, P>(a, panel, m); break;                \
+    default: BLOCK<1, P>(a, panel, m); break;               \
   }
+#define VRS_WIDE_PASS(BLOCK)                                                                  \
+  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count, \
+                larger = a.rows % count;                                                      \
+  for (int64_t panel = begin; panel < end; panel += 2) {                                      \
+    int64_t m = 0;                                                                            \
+    for (int64_t i = 0; i < count; m += size + (i < larger), ++i) {                           \
+      if (panel + 1 < end) {                                                                  \
+        VRS_WIDE_ROWS(BLOCK, 2, size + (i < larger))                                          \
+      } else {                                                                                \
+        VRS_WIDE_ROWS(BLOCK, 1, size + (i < larger))                                          \
+      }                                                                                       \
+    }                                                                                         \
+  }
+
+VRS_WIDE void wide_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) { VRS_WIDE_PASS(wide_block) }
+VRS_WIDE void wide_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
+  VRS_WIDE_PASS(wide_block)
 }
+VRS_WIDE_BF16 void dot_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) { VRS_WIDE_PASS(dot_block) }
+#undef VRS_WIDE_PASS
+#undef VRS_WIDE_ROWS
 #else
 void wide_panels(const SkinnyGemmArgs&, int64_t, int64_t) {}
+void wide_bf16_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
+void dot_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
 #endif
 
 // Panels [begin, end) for every row, on the widest vectors the CPU has.
@@ -194,244 +279,9 @@ void any_panels(const SkinnyGemmArgs& a, int64_t begin, int64_t end) {
   else panels(a, begin, end);
 }
 
-// ---- The screened head's bfloat16 pass ----
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// kLanes bfloat16 weights as floats (a bfloat16 is a float's upper half).
-VRS_INLINE Lanes load_bf16(const uint16_t* p) {
-  Halves h;
-  std::memcpy(&h, p, sizeof(h));
-  const Words words = __builtin_convertvector(h, Words) << 16;
-  Lanes v;
-  std::memcpy(&v, &words, sizeof(v));
-  return v;
-}
-
-// A bfloat16 pass's largest output of `panel` among the valid ones, for row `row` (-inf: none valid).
-VRS_INLINE void keep_panel_max(const ScreenedHeadArgs& a, int64_t row, int64_t panel, const float* sums) {
-  const int64_t valid = std::min(kSkinnyGemmPanel, a.valid_features - panel * kSkinnyGemmPanel);
-  float largest = -INFINITY;
-  if (valid == kSkinnyGemmPanel) {  // the usual panel: a tree of vector maxima
-    Lanes v = load(sums), w = load(sums + kLanes);
-    v = v > w ? v : w;
-    v = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) > v ? __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3)
-                                                                  : v;
-    for (int c = 0; c < 4; ++c) largest = v[c] > largest ? v[c] : largest;
-  } else {
-    for (int64_t c = 0; c < valid; ++c) largest = sums[c] > largest ? sums[c] : largest;
-  }
-  a.panel_max[row * ((a.out_features + kSkinnyGemmPanel - 1) / kSkinnyGemmPanel) + panel] = largest;
-}
-
-// y[m + r, panel's columns] for r < M from the bfloat16 weights (block's sums on them).
-template <int M>
-VRS_INLINE void bf16_block(const ScreenedHeadArgs& a, int64_t panel, int64_t m) {
-  const int64_t K = a.in_features;
-  const uint16_t* w = a.w_bf16 + panel * K * kSkinnyGemmPanel;
-  const float* x = a.x + m * K;
-  Lanes acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = Lanes{};
-  for (int64_t k = 0; k < K; ++k) {
-    const Lanes w0 = load_bf16(w + k * kSkinnyGemmPanel), w1 = load_bf16(w + k * kSkinnyGemmPanel + kLanes);
-    for (int r = 0; r < M; ++r) {
-      const Lanes xv = splat(x[r * K + k]);
-      acc[r][0] += w0 * xv;
-      acc[r][1] += w1 * xv;
-    }
-  }
-  const int64_t n = panel * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-  float* y = a.y + m * a.out_features + n;
-  for (int r = 0; r < M; ++r, y += a.out_features) {
-    float sums[kSkinnyGemmPanel];
-    store(sums, acc[r][0]);
-    store(sums + kLanes, acc[r][1]);
-    std::memcpy(y, sums, columns * sizeof(float));
-    keep_panel_max(a, m + r, panel, sums);
-  }
-}
-
-VRS_INLINE void bf16_blocks(const ScreenedHeadArgs& a, int64_t panel, int64_t& m, int64_t rows, int64_t count) {
-  for (int64_t i = 0; i < count; ++i, m += rows) {
-    switch (rows) {
-      case 6: bf16_block<6>(a, panel, m); break;
-      case 5: bf16_block<5>(a, panel, m); break;
-      case 4: bf16_block<4>(a, panel, m); break;
-      case 3: bf16_block<3>(a, panel, m); break;
-      case 2: bf16_block<2>(a, panel, m); break;
-      default: bf16_block<1>(a, panel, m); break;
-    }
-  }
-}
-
-// The bfloat16 pass over panels [begin, end) for every row, the rows blocked as in panels().
-VRS_ISA_CLONES void bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
-  const int64_t count = (a.rows + kRowBlock - 1) / kRowBlock, size = a.rows / count, larger = a.rows % count;
-  for (int64_t panel = begin; panel < end; ++panel) {
-    int64_t m = 0;
-    bf16_blocks(a, panel, m, size + 1, larger);
-    bf16_blocks(a, panel, m, size, count - larger);
-  }
-}
-
-#if VRS_HAS_WIDE
-typedef uint16_t WideHalves __attribute__((vector_size(kWideLanes * sizeof(uint16_t))));
-typedef uint32_t WideWords __attribute__((vector_size(kWideLanes * sizeof(uint32_t))));
-
-VRS_WIDE VRS_INLINE WideLanes wide_load_bf16(const uint16_t* p) {
-  WideHalves h;
-  std::memcpy(&h, p, sizeof(h));
-  const WideWords words = __builtin_convertvector(h, WideWords) << 16;
-  WideLanes v;
-  std::memcpy(&v, &words, sizeof(v));
-  return v;
-}
-
-// wide_block's sums on the bfloat16 weights: y[m + r, columns of panels panel .. panel + P - 1].
-template <int M, int P>
-VRS_WIDE VRS_INLINE void wide_bf16_block(const ScreenedHeadArgs& a, int64_t panel, int64_t m) {
-  const int64_t K = a.in_features;
-  const uint16_t* w = a.w_bf16 + panel * K * kSkinnyGemmPanel;
-  const float* x = a.x + m * K;
-  WideLanes acc[M][P];
-  for (int r = 0; r < M; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = WideLanes{};
-  for (int64_t k = 0; k < K; ++k) {
-    WideLanes wp[P];
-    for (int p = 0; p < P; ++p) {
-      __builtin_prefetch(w + (p * K + k + 2 * kWidePrefetchLines) * kSkinnyGemmPanel, 0, 3);
-      wp[p] = wide_load_bf16(w + (p * K + k) * kSkinnyGemmPanel);
-    }
-    for (int r = 0; r < M; ++r) {
-      const WideLanes xv = wide_splat(x[r * K + k]);
-      for (int p = 0; p < P; ++p) acc[r][p] += wp[p] * xv;
-    }
-  }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = (panel + p) * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-    float* y = a.y + m * a.out_features + n;
-    for (int r = 0; r < M; ++r, y += a.out_features) {
-      float sums[kSkinnyGemmPanel];
-      std::memcpy(sums, &acc[r][p], sizeof(sums));
-      std::memcpy(y, sums, columns * sizeof(float));
-      keep_panel_max(a, m + r, panel + p, sums);
-    }
-  }
-}
-
-template <int P>
-VRS_WIDE VRS_INLINE void wide_bf16_blocks(const ScreenedHeadArgs& a, int64_t panel, int64_t& m, int64_t rows,
-                                          int64_t count) {
-  for (int64_t i = 0; i < count; ++i, m += rows) {
-    switch (rows) {
-      case 12: wide_bf16_block<12, P>(a, panel, m); break;
-      case 11: wide_bf16_block<11, P>(a, panel, m); break;
-      case 10: wide_bf16_block<10, P>(a, panel, m); break;
-      case 9: wide_bf16_block<9, P>(a, panel, m); break;
-      case 8: wide_bf16_block<8, P>(a, panel, m); break;
-      case 7: wide_bf16_block<7, P>(a, panel, m); break;
-      case 6: wide_bf16_block<6, P>(a, panel, m); break;
-      case 5: wide_bf16_block<5, P>(a, panel, m); break;
-      case 4: wide_bf16_block<4, P>(a, panel, m); break;
-      case 3: wide_bf16_block<3, P>(a, panel, m); break;
-      case 2: wide_bf16_block<2, P>(a, panel, m); break;
-      default: wide_bf16_block<1, P>(a, panel, m); break;
-    }
-  }
-}
-
-// The bfloat16 pass over panels [begin, end), as wide_panels blocks them.
-VRS_WIDE void wide_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
-  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count,
-                larger = a.rows % count;
-  for (int64_t panel = begin; panel < end; panel += 2) {
-    int64_t m = 0;
-    if (panel + 1 < end) {
-      wide_bf16_blocks<2>(a, panel, m, size + 1, larger);
-      wide_bf16_blocks<2>(a, panel, m, size, count - larger);
-    } else {
-      wide_bf16_blocks<1>(a, panel, m, size + 1, larger);
-      wide_bf16_blocks<1>(a, panel, m, size, count - larger);
-    }
-  }
-}
-// The bfloat16 dot product's pass (AVX512_BF16): each lane multiplies a k-pair of x (rounded to
-// bfloat16) by its column's k-pair of weights and adds both to its float32 sum, one instruction a
-// pair: y[m + r, columns of panels panel .. panel + P - 1].
-template <int M, int P>
-VRS_WIDE_BF16 VRS_INLINE void dot_bf16_block(const ScreenedHeadArgs& a, int64_t panel, int64_t m) {
-  const int64_t pairs = (a.in_features + 1) / 2;
-  const uint16_t* w = a.w_bf16 + panel * pairs * 2 * kSkinnyGemmPanel;
-  const uint32_t* x = a.x_pairs + m * pairs;
-  __m512 acc[M][P];
-  for (int r = 0; r < M; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512i wp[P];
-    for (int p = 0; p < P; ++p) {
-      __builtin_prefetch(w + (p * pairs + j + kWidePrefetchLines) * 2 * kSkinnyGemmPanel, 0, 3);
-      wp[p] = _mm512_loadu_si512(w + (p * pairs + j) * 2 * kSkinnyGemmPanel);
-    }
-    for (int r = 0; r < M; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * pairs + j]));
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)wp[p], (__m512bh)xv);
-    }
-  }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = (panel + p) * kSkinnyGemmPanel, columns = std::min(kSkinnyGemmPanel, a.out_features - n);
-    float* y = a.y + m * a.out_features + n;
-    for (int r = 0; r < M; ++r, y += a.out_features) {
-      float sums[kSkinnyGemmPanel];
-      _mm512_storeu_ps(sums, acc[r][p]);
-      std::memcpy(y, sums, columns * sizeof(float));
-      keep_panel_max(a, m + r, panel + p, sums);
-    }
-  }
-}
-
-template <int P>
-VRS_WIDE_BF16 VRS_INLINE void dot_bf16_blocks(const ScreenedHeadArgs& a, int64_t panel, int64_t& m, int64_t rows,
-                                              int64_t count) {
-  for (int64_t i = 0; i < count; ++i, m += rows) {
-    switch (rows) {
-      case 12: dot_bf16_block<12, P>(a, panel, m); break;
-      case 11: dot_bf16_block<11, P>(a, panel, m); break;
-      case 10: dot_bf16_block<10, P>(a, panel, m); break;
-      case 9: dot_bf16_block<9, P>(a, panel, m); break;
-      case 8: dot_bf16_block<8, P>(a, panel, m); break;
-      case 7: dot_bf16_block<7, P>(a, panel, m); break;
-      case 6: dot_bf16_block<6, P>(a, panel, m); break;
-      case 5: dot_bf16_block<5, P>(a, panel, m); break;
-      case 4: dot_bf16_block<4, P>(a, panel, m); break;
-      case 3: dot_bf16_block<3, P>(a, panel, m); break;
-      case 2: dot_bf16_block<2, P>(a, panel, m); break;
-      default: dot_bf16_block<1, P>(a, panel, m); break;
-    }
-  }
-}
-
-// The dot product's pass over panels [begin, end), as wide_panels blocks them.
-VRS_WIDE_BF16 void dot_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
-  const int64_t count = (a.rows + kWideRowBlock - 1) / kWideRowBlock, size = a.rows / count,
-                larger = a.rows % count;
-  for (int64_t panel = begin; panel < end; panel += 2) {
-    int64_t m = 0;
-    if (panel + 1 < end) {
-      dot_bf16_blocks<2>(a, panel, m, size + 1, larger);
-      dot_bf16_blocks<2>(a, panel, m, size, count - larger);
-    } else {
-      dot_bf16_blocks<1>(a, panel, m, size + 1, larger);
-      dot_bf16_blocks<1>(a, panel, m, size, count - larger);
-    }
-  }
-}
-#else
-void wide_bf16_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
-void dot_bf16_panels(const ScreenedHeadArgs&, int64_t, int64_t) {}
-#endif
-
+// The screened head's bfloat16 pass: the dot product on k-pairs, else the blocks on bfloat16.
 void any_bf16_panels(const ScreenedHeadArgs& a, int64_t begin, int64_t end) {
-  if (a.pairs) dot_bf16_panels(a, begin, end);
+  if (a.pairs) dot_panels(a, begin, end);
   else if (has_wide_lanes()) wide_bf16_panels(a, begin, end);
   else bf16_panels(a, begin, end);
 }
