@@ -46,13 +46,16 @@ def find_problems() -> list[str]:
 
 def _cpu_gemm(ext: Any) -> str:
     """What float32 CPU engines running our proposers verify their steps with (cpu_gemm_max_rows),
-    and which of the kernels' blocks this CPU runs (``ext``: the loaded extension)."""
+    which of the kernels' blocks this CPU runs and what its screened head runs on (``ext``: the
+    loaded extension)."""
     from vllm_retrieval_spec.kernels.skinny_gemm import pays_on_this_cpu
 
     if not pays_on_this_cpu():
         return "vLLM's oneDNN GEMM only (the skinny GEMM needs AVX2)"
     lanes = "AVX-512: 16-lane" if ext.cpu_has_wide_lanes() else "AVX2: 8-lane"
-    return f"skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has {lanes} blocks)"
+    head = "the bfloat16 dot product" if ext.screened_head_pairs() else f"{lanes} blocks"
+    return (f"skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has {lanes} blocks); "
+            f"the screened head on {head}")
 
 
 def report() -> list[str]:
