@@ -512,6 +512,7 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int, screened_head: b
     reach the sampler as they leave it (one tensor-parallel rank, no soft cap, a positive scale). Other
     engines of the process keep vLLM's dispatch. Off where the kernel has no fused multiply-add (x86
     below AVX2, other CPUs)."""
+    runner.vrs_screened_head = None
     if not pays_on_this_cpu():
         logger.info("retrieval_spec.cpu_gemm_max_rows: this CPU has no AVX2; vLLM's GEMM runs every layer")
         return
@@ -519,7 +520,6 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int, screened_head: b
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     layers, packed_bytes = 0, 0
-    runner.vrs_screened_head = None
 
     def linear_for(layer, weight: torch.Tensor, arena: HugePageArena) -> SkinnyLinear:
         if screened_head and isinstance(layer, ParallelLMHead):
