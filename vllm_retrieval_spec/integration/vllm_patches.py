@@ -538,7 +538,7 @@ def _install_skinny_gemm(runner: GPUModelRunner, max_rows: int, screened_head: b
             if SkinnyLinear.accepts(weight) and hasattr(layer, "cpu_linear"):
                 layer.cpu_linear = linear_for(layer, weight, arena)
                 layers += 1
-                packed_bytes += layer.cpu_linear.packed.nbytes
+                packed_bytes += layer.cpu_linear.nbytes
 
         return dispatch_cpu_unquantized_gemm
 

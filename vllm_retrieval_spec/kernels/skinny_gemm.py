@@ -122,6 +122,11 @@ class SkinnyLinear:
         self.out_features, self.in_features = weight.shape
         self._kernel = load_extension().skinny_gemm  # looked up once: ~120 calls a model step
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of weights this layer keeps beside oneDNN's."""
+        return self.packed.nbytes
+
     @staticmethod
     def accepts(weight: torch.Tensor) -> bool:
         """Whether the kernel can read ``weight`` (a linear layer's, before vLLM packs it)."""
@@ -166,6 +171,10 @@ class ScreenedHead(SkinnyLinear):
         self.armed = False
         self.screened_calls = 0
         self._screen = load_extension().screened_head
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.packed_bf16.nbytes
 
     def screen_next(self, wanted: bool) -> None:
         """Whether the next call only feeds an argmax per row, and is screened (once)."""
