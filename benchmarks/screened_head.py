@@ -1,12 +1,14 @@
 """The screened language-model head against the full one, on the real model's head weight: the
 same random hidden states of each row count (a step's tokens) through ``ScreenedHead`` (its
 bfloat16 copy in k-pairs for the dot product where the CPU has AVX512_BF16, and plain on 16- and
-8-lane blocks) and through ``SkinnyLinear`` (the full float32 head the engine runs otherwise),
-alternating ``--repeats`` times (medians kept, so that the machine's drift falls on all alike),
+8-lane blocks) and through the full float32 head the engine runs otherwise (``SkinnyLinear`` up
+to the default ``cpu_gemm_max_rows``, vLLM's oneDNN matmul past it; the dot product screens up
+to 256 rows), alternating ``--repeats`` times (medians kept, so that the machine's drift falls on all alike),
 with every screened argmax compared against the full one.
 
     python benchmarks/screened_head.py --rows 1 4 8 16 24 32
     python benchmarks/screened_head.py --model gemma3 --rows 1 8 16 32
+    python benchmarks/screened_head.py --rows 32 48 64 96 128 192 256
 
 Writes results/screened_head[_gemma3][_<tag>].json and prints milliseconds a head call by row count.
 """
@@ -25,6 +27,7 @@ from safetensors import safe_open
 
 from vllm_retrieval_spec import _C
 from vllm_retrieval_spec.kernels.skinny_gemm import ScreenedHead, SkinnyLinear
+from vllm_retrieval_spec.options import RetrievalSpecOptions
 
 HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight")  # tied heads keep only the embedding
 
@@ -41,13 +44,24 @@ def head_weight(model: str) -> torch.Tensor:
     raise SystemExit(f"screened_head: no {' or '.join(HEAD_KEYS)} in {checkpoint}")
 
 
+def onednn_head(weight: torch.Tensor):
+    """The head as vLLM's CPU GEMM dispatch runs it past the skinny GEMM's rows (oneDNN's matmul)."""
+    from vllm import _custom_ops as ops
+
+    if not hasattr(ops, "create_onednn_mm"):
+        raise SystemExit("screened_head: this vLLM has no oneDNN matmul (a CPU build of vLLM is needed)")
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    return lambda x, weight, bias: ops.onednn_mm(handler, x, bias)
+
+
 def ways(weight: torch.Tensor) -> dict[str, tuple[object, bool]]:
     """Each head to time by name, and whether it runs on the 16-lane blocks."""
-    found = {"full": (SkinnyLinear(weight, None, 64), True),
-             "screened, 16 lanes": (ScreenedHead(weight, None, 64, weight.shape[0], pairs=False), True),
-             "screened, 8 lanes": (ScreenedHead(weight, None, 64, weight.shape[0], pairs=False), False)}
+    rows, fallback, vocab = RetrievalSpecOptions().cpu_gemm_max_rows, onednn_head(weight), weight.shape[0]
+    found = {"full": (SkinnyLinear(weight, fallback, rows), True),
+             "screened, 16 lanes": (ScreenedHead(weight, fallback, rows, vocab, pairs=False), True),
+             "screened, 8 lanes": (ScreenedHead(weight, fallback, rows, vocab, pairs=False), False)}
     if _C.screened_head_pairs():
-        found["screened, dot product"] = (ScreenedHead(weight, None, 64, weight.shape[0], pairs=True), True)
+        found["screened, dot product"] = (ScreenedHead(weight, fallback, rows, vocab, pairs=True), True)
     return found
 
 

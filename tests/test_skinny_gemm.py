@@ -146,7 +146,8 @@ def heads(draw):
     weight[close] = weight[close.flip(0)] * (1 + noise)  # their order may differ from their bfloat16 copies'
     valid = draw(st.integers(1, out_features))
     weight[valid:] = weight[valid:].abs() * 10  # padding the argmax must never take
-    x = torch.randn(draw(st.integers(1, 20)), in_features, generator=generator) * draw(st.sampled_from([0.1, 3.0]))
+    count = draw(st.one_of(st.integers(1, 20), st.sampled_from([33, 100, 257])))  # and past the skinny GEMM's rows
+    x = torch.randn(count, in_features, generator=generator) * draw(st.sampled_from([0.1, 3.0]))
     return weight.contiguous(), valid, x
 
 
@@ -157,13 +158,14 @@ def heads(draw):
 def test_screened_head_gives_the_full_heads_argmax_and_exact_logits(pairs, head_case):
     """The argmax (first index on ties) over the first ``valid`` logits is the full skinny GEMM's,
     and every logit it computes is the full one bit for bit; the rest are -inf; with the weights
-    in bfloat16 k-pairs (the dot product, where the CPU has it) and without. Past the rows where
-    the screen pays, the full logits."""
+    in bfloat16 k-pairs (the dot product, where the CPU has it) and without, within the head's
+    ``max_rows`` and past them. Past the rows where the screen pays, the full logits."""
     weight, valid, x = head_case
-    head = ScreenedHead(weight, lambda *_: pytest.fail("the fallback ran"), 32, valid, pairs=pairs)
-    full = SkinnyLinear(weight, None, 32)(x, weight, None)
+    reference = SkinnyLinear(weight, None, 512)
+    head = ScreenedHead(weight, reference, 16, valid, pairs=pairs)  # past 16 rows its full head is the fallback's
+    full = reference(x, weight, None)
     got = screened(head, x, weight)
-    if x.shape[0] > _C.screened_head_max_rows(head.pairs):
+    if x.shape[0] > head.screen_rows:
         assert head.screened_calls == 0 and torch.equal(got, full)
         return
     assert head.screened_calls == 1 and got.shape == full.shape
@@ -198,20 +200,31 @@ def test_screened_head_on_avx512_blocks_equals_avx2_blocks(rows, both_lane_width
 
 
 def test_screened_head_screens_only_the_call_it_was_armed_for():
-    """One armed call is screened; unarmed calls, calls past max_rows, a bias and non-finite hidden
-    states get the full logits."""
+    """One armed call is screened; unarmed calls, calls past the screen's rows, a bias and
+    non-finite hidden states get the full logits. Past max_rows, the full head is the fallback's
+    and an armed call is still screened."""
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(50, 8, generator=generator), torch.randn(3, 8, generator=generator)
     full = SkinnyLinear(weight, None, 4)(x, weight, None)
-    head = ScreenedHead(weight, lambda x, w, b: torch.zeros(x.shape[0], 50), 4, 50)
+
+    def zeros(x, weight, bias):
+        return torch.zeros(x.shape[0], 50)
+
+    head = ScreenedHead(weight, zeros, 4, 50)
     assert torch.equal(head(x, weight, None), full)  # not armed
     assert torch.isinf(screened(head, x, weight)).any() and head.screened_calls == 1
     assert torch.equal(head(x, weight, None), full)  # armed once only
-    assert torch.equal(screened(head, torch.randn(5, 8, generator=generator), weight), torch.zeros(5, 50))
+    past = head.screen_rows + 1
+    assert torch.equal(screened(head, torch.randn(past, 8, generator=generator), weight), torch.zeros(past, 50))
     head.screen_next(True)
     assert torch.equal(head(x, weight, torch.zeros(50)), full)
     broken = x.clone()
     broken[1, 2] = float("nan")
     assert torch.isnan(screened(head, broken, weight)[1]).all() and head.screened_calls == 1
+    narrow = ScreenedHead(weight, zeros, 2, 50)
+    assert torch.equal(narrow(x, weight, None), torch.zeros(3, 50))
+    got = screened(narrow, x, weight)
+    assert narrow.screened_calls == 1 and torch.equal(got.argmax(dim=1), full.argmax(dim=1))
+    assert torch.equal(got[torch.isfinite(got)], full[torch.isfinite(got)])
     with pytest.raises(ValueError, match="valid_features must be in"):
         ScreenedHead(weight, None, 4, 51)

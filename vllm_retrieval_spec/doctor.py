@@ -53,9 +53,10 @@ def _cpu_gemm(ext: Any) -> str:
     if not pays_on_this_cpu():
         return "vLLM's oneDNN GEMM only (the skinny GEMM needs AVX2)"
     lanes = "AVX-512: 16-lane" if ext.cpu_has_wide_lanes() else "AVX2: 8-lane"
-    head = "the bfloat16 dot product" if ext.screened_head_pairs() else f"{lanes} blocks"
+    pairs = ext.screened_head_pairs()
+    head = "the bfloat16 dot product" if pairs else f"{lanes} blocks"
     return (f"skinny GEMM for steps of up to cpu_gemm_max_rows rows (this CPU has {lanes} blocks); "
-            f"the screened head on {head}")
+            f"the screened head on {head}, up to {ext.screened_head_max_rows(pairs)} rows")
 
 
 def report() -> list[str]:

@@ -285,8 +285,9 @@ class RetrievalSpecOptions:
         "nothing processing their logits (no logprobs, penalties, biases, structured outputs) compute the "
         "language-model head on a bfloat16 copy of its weight (half the bytes) that bounds every logit, then "
         "exactly (the skinny GEMM's float32 sums) only the panels of 16 tokens that may hold the largest; the "
-        "tokens are those of the full head, 0.56-0.64x its time from 1 to 32 rows on a 2-core AMD EPYC with "
-        "AVX512_BF16. false: the full head on every step",
+        "tokens are those of the full head, 0.50-0.73x its time from 1 to 32 rows on a 2-core AMD EPYC with "
+        "AVX512_BF16, and up to 256 rows there (0.66-0.85x oneDNN's head past cpu_gemm_max_rows). false: the "
+        "full head on every step",
     )
 
     cpu_step_attention: bool = _option(

@@ -134,14 +134,14 @@ class SkinnyLinear:
                 and weight.is_contiguous() and weight.numel() > 0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._takes(x, bias):
+        if self._takes(x, bias, self.max_rows):
             return _run(self._kernel, x, self.packed, self.out_features, bias)
         return self.fallback(x, weight, bias)
 
-    def _takes(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def _takes(self, x: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> bool:
         """Whether the kernel can read ``x`` and ``bias`` by address (what :func:`skinny_gemm` checks, as
         cheaply as a layer's call allows) and ``x`` has at most ``max_rows`` rows."""
-        return (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.shape[1] == self.in_features
+        return (x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.shape[1] == self.in_features
                 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                 and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
                                       and bias.is_contiguous() and bias.numel() == self.out_features)))
@@ -154,7 +154,9 @@ class ScreenedHead(SkinnyLinear):
     ``valid_features``, ``-inf`` elsewhere, screened by a bfloat16 copy of the weight
     (``csrc/skinny_gemm.h``, ``screened_head_cpu``): the same argmax from half the weight bytes. The
     copy is in k-pairs for the bfloat16 dot product where the CPU runs it (``pairs`` None), or as
-    ``pairs`` says (tests; pairs on a CPU without it: every call gets the full logits)."""
+    ``pairs`` says (tests; pairs on a CPU without it: every call gets the full logits). A call is
+    screened up to :attr:`screen_rows` rows (the kernel's ``screened_head_max_rows``), which on the dot
+    product lie past ``max_rows``: there the full head is ``fallback``'s (oneDNN's), and slower."""
 
     def __init__(self, weight: torch.Tensor, fallback: LinearFn, max_rows: int, valid_features: int,
                  arena: HugePageArena | None = None, pairs: bool | None = None) -> None:
@@ -168,6 +170,7 @@ class ScreenedHead(SkinnyLinear):
         panel = load_extension().SKINNY_GEMM_PANEL
         self.panel_norms = torch.nn.functional.pad(self.norms, (0, -self.out_features % panel)).view(-1, panel).amax(1)
         self.valid_features = valid_features
+        self.screen_rows = load_extension().screened_head_max_rows(self.pairs)
         self.armed = False
         self.screened_calls = 0
         self._screen = load_extension().screened_head
@@ -182,7 +185,7 @@ class ScreenedHead(SkinnyLinear):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         armed, self.armed = self.armed, False
-        if armed and bias is None and self._takes(x, None):
+        if armed and bias is None and self._takes(x, None, self.screen_rows):
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             if self._screen(x.data_ptr(), self.packed_bf16.data_ptr(), self.packed.data_ptr(), self.norms.data_ptr(),
                             self.panel_norms.data_ptr(), out.data_ptr(), x.shape[0], self.in_features,
