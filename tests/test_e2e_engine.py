@@ -135,6 +135,26 @@ def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e
     assert drafter.stats.failures == 0
 
 
+def record_screened_tree_steps(llm) -> list[bool]:
+    """A list that gets, at each call of the engine's screened head, whether the call was a tree
+    step's and was screened (empty where the engine has no screened head)."""
+    runner, calls = model_runner_of(llm), []
+    head = runner.vrs_screened_head
+    if head is None:
+        return calls
+    layer = next(module for module in runner.model.modules() if getattr(module, "cpu_linear", None) is head)
+    session = drafter_of(llm).session
+
+    def recording(x, weight, bias):
+        before = head.screened_calls
+        out = head(x, weight, bias)
+        calls.append(session.plan is not None and head.screened_calls > before)
+        return out
+
+    layer.cpu_linear = recording
+    return calls
+
+
 @pytest.mark.parametrize("proposer", ["RestProposer", "NGrammysProposer"])
 def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_table_dir, e2e_prompts, baseline_runs):
     """Branching draft trees verified in one step (tree mask, depth positions, KV compaction)
@@ -144,6 +164,7 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
     options = {**source, "tree": True, "budget": "fixed"}
     spec = speculative(model_dir, f"vllm_retrieval_spec.{proposer}", options, k=TREE_NODES)
     with running_engine(spec) as llm:
+        screened_tree_steps = record_screened_tree_steps(llm)
         runs = generate_both_ways(llm, e2e_prompts)
         flush_finished_requests(llm)
         drafter = drafter_of(llm)
@@ -151,6 +172,8 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
         assert_same_token_ids(baseline_runs[mode], run)
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0
+    if pays_on_this_cpu():
+        assert sum(screened_tree_steps) > 0, "no tree step took the screened head"
     stats = drafter.session.stats
     assert stats.tree_steps > 0, "no step verified a branching tree"
     assert drafter.session.step_attention.tree_layer_calls > 0, "the tree rows were left to the fix-up"

@@ -481,15 +481,16 @@ def _logits_reach_the_sampler_as_computed(model: torch.nn.Module) -> bool:
 
 def _arm_screened_head(runner: GPUModelRunner, session: SpecSession) -> None:
     """After ``_prepare_inputs``: the step's head call is screened when its logits feed an argmax per
-    row only: a chain step (no tree plan), every request greedy with nothing processing its logits
-    (:func:`greedy_without_processing`), no prompt logprobs, no structured output in flight."""
+    row only: every request greedy with nothing processing its logits (:func:`greedy_without_processing`;
+    a tree step's greedy walk takes each node's argmax too), no prompt logprobs, no structured output
+    in flight."""
 
     def arm(original: Callable) -> Callable:
         def _prepare_inputs(scheduler_output, *args, **kwargs):
             result = original(scheduler_output, *args, **kwargs)
             head = runner.vrs_screened_head
             if head is not None:
-                head.screen_next(session.plan is None and not session.constrained and not runner.num_prompt_logprobs
+                head.screen_next(not session.constrained and not runner.num_prompt_logprobs
                                  and greedy_without_processing(runner.input_batch.sampling_metadata))
             return result
 
