@@ -21,6 +21,8 @@ confirm a change on the engine (a first-token-only request factor won here and l
     python benchmarks/budget_replay.py --workloads multi_turn --concurrency 8 --first-draft-ms 0.5 50
         # REST once per drafting time its budget sees at the first step (whether the first step drafts)
     python benchmarks/budget_replay.py --token-factors on off   # REST with and without tokens' factors
+    python benchmarks/budget_replay.py --workloads doc_qa --concurrency 1 --prompts 24 --warm-up 96
+        # both drafters after 96 earlier requests of the workload (a server that has served a while)
 
 Writes results/budget_replay_c<concurrency>[_<tag>].json (``--same-states``:
 results/budget_replay_same_states[_<tag>].json) and prints a table.
@@ -120,11 +122,12 @@ class Slot:
         return self.position >= len(self.trace.output_ids)
 
 
-def lock_step(traces: list[GreedyTrace], concurrency: int, cost: tuple[float, float, float], drafter) -> Tally:
+def lock_step(traces: list[GreedyTrace], concurrency: int, cost: tuple[float, float, float], drafter,
+              first_index: int = 0) -> Tally:
     """Decode every trace, ``concurrency`` at a time, with ``drafter(slots) -> drafts`` per step
     (its ``seconds``: drafting time so far, the replay's own bookkeeping excluded;
-    ``drafter.finish(slot)`` when a request ends)."""
-    tally, pending, active = Tally(), list(enumerate(traces))[::-1], []
+    ``drafter.finish(slot)`` when a request ends); requests are numbered from ``first_index``."""
+    tally, pending, active = Tally(), list(enumerate(traces, first_index))[::-1], []
     step_seconds, request_seconds, token_seconds = cost
     while pending or active:
         while pending and len(active) < concurrency:
@@ -331,6 +334,17 @@ def print_same_states(workload: str, tally: SameStates) -> None:
           f"{tally.behind_not_drafted:9d} {tally.behind_cut:5d} {tally.behind_candidates:6d}")
 
 
+def warmed_lock_step(traces: list[GreedyTrace], warm_up: int, concurrency: int, cost: tuple[float, float, float],
+                     drafter) -> Tally:
+    """:func:`lock_step` over the first ``len(traces) - warm_up`` traces, after the drafter has decoded
+    the last ``warm_up`` (untallied): what it learns from a server's earlier requests, as a server
+    that has served a while knows them (REST's output index and calibration, ``suffix``'s cache)."""
+    timed = traces[: len(traces) - warm_up]
+    if warm_up:
+        lock_step(traces[len(timed):], concurrency, cost, drafter, first_index=len(traces))
+    return lock_step(timed, concurrency, cost, drafter)
+
+
 def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -> list[GreedyTrace]:
     """The greedy outputs of a workload's first ``prompts`` prompts, generated once and cached."""
 
@@ -373,8 +387,14 @@ def parse_args() -> argparse.Namespace:
                         help="instead: REST against suffix at the same decoding states, one request at a time")
     parser.add_argument("--datastore", default=RetrievalSpecOptions().datastore,
                         help="REST's datastore: recipe name or directory (default: the serving default)")
+    parser.add_argument("--warm-up", type=int, default=0, metavar="N",
+                        help="each drafter first decodes the workload's N prompts after --prompts, untallied: "
+                             "REST and suffix as on a server that has served such requests")
     parser.add_argument("--tag", default="")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.same_states and args.warm_up:
+        parser.error("--warm-up applies to the lock-step replay, not to --same-states")
+    return args
 
 
 def workload_tokens(workload: str) -> int:
@@ -385,7 +405,7 @@ def workload_tokens(workload: str) -> int:
 def run_fields(args: argparse.Namespace) -> dict:
     """What every report of this script records of its run."""
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "datastore": args.datastore, "prompts": args.prompts,
-            "k": args.k}
+            "k": args.k, "warm_up": args.warm_up}
 
 
 def report_same_states(model: Path, store, args: argparse.Namespace) -> None:
@@ -424,10 +444,11 @@ def main() -> None:
         print(f"{'workload':15s} {'config':20s} {'honest':>7s} {'drafted':>8s} {'accepted':>9s} {'accept':>7s} "
               f"{'draft ms':>9s} {'tok/s':>7s} {'x suffix':>9s}")
         for workload in args.workloads:
-            traces = workload_traces(model, workload, args.prompts, workload_tokens(workload))
-            suffix = lock_step(traces, concurrency, cost, SuffixDrafter()).row("suffix")
-            rests = [lock_step(traces, concurrency, cost, RestDrafter(store, args.k, concurrency, cost, strength,
-                                                                      first, factors)).row(name)
+            traces = workload_traces(model, workload, args.prompts + args.warm_up, workload_tokens(workload))
+            suffix = warmed_lock_step(traces, args.warm_up, concurrency, cost, SuffixDrafter()).row("suffix")
+            rests = [warmed_lock_step(traces, args.warm_up, concurrency, cost,
+                                      RestDrafter(store, args.k, concurrency, cost, strength, first,
+                                                  factors)).row(name)
                      for name, strength, first, factors in rest_variants(args)]
             for row in (suffix, *rests):
                 row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]

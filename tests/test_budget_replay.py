@@ -54,6 +54,17 @@ def test_suffix_replay_decodes_every_stream(replay, traces):
     assert_whole_streams(replay.lock_step(traces, 2, COST, replay.SuffixDrafter()), traces)
 
 
+def test_a_warmed_replay_tallies_only_the_timed_streams_and_learns_from_the_warm_up(replay, traces):
+    """``--warm-up``: the drafter decodes the last streams first, untallied, and keeps what it learned:
+    ``suffix`` then drafts the timed stream, which repeats a warm-up one, from its cache."""
+    pytest.importorskip("arctic_inference", reason="vLLM's suffix method: scripts/install-comparators.sh")
+    repeated = [traces[0], traces[0]]
+    cold = replay.lock_step(repeated[:1], 1, COST, replay.SuffixDrafter())
+    warm = replay.warmed_lock_step(repeated, 1, 1, COST, replay.SuffixDrafter())
+    assert_whole_streams(warm, repeated[:1])
+    assert warm.accepted > cold.accepted and warm.request_steps < cold.request_steps
+
+
 def test_copy_ceiling_counts_continuations_of_earlier_occurrences_in_the_request():
     """``benchmarks/copy_ceiling.py``: prompt 1 2 3, output 1 2 4 1 2 3. After 1 the request
     had 2 before (twice a hit); after 2 it had 3, then 3 and 4 (the last 3 hits any occurrence,
