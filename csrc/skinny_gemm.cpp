@@ -329,8 +329,8 @@ void over_panels(const Args& args, int64_t count) {
 // head of SmolLM2-135M: 0.58x the full head's time at 1 row, 0.78x at 8 and 0.94x at 16 on 16-lane
 // blocks; 0.69x at 1, 0.90x at 4 and 1.03x at 6 on 8-lane blocks, whose weights take two
 // conversions a register). The dot product, twice an FMA's multiply-adds a register, keeps its lead
-// past the skinny GEMM's rows against oneDNN's full head: 0.61-0.77x its time from 48 to 256 rows
-// on SmolLM2's head, 0.61-0.73x on Gemma-3-270m's (262,144 tokens).
+// past the skinny GEMM's rows against oneDNN's full head: 0.66-0.85x its time from 48 to 256 rows
+// on SmolLM2's head, 0.59-0.71x from 48 to 128 on Gemma-3-270m's (262,144 tokens).
 constexpr int64_t kScreenedRowsWide = 16;
 constexpr int64_t kScreenedRowsNarrow = 4;
 constexpr int64_t kScreenedRowsDot = 256;
