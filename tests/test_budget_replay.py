@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -73,6 +74,19 @@ def test_copy_ceiling_counts_continuations_of_earlier_occurrences_in_the_request
     assert shares["any_k1"] == pytest.approx(3 / 6) and shares["latest_k1"] == pytest.approx(2 / 6)
     assert shares["any_k2"] == pytest.approx(1 / 6) and shares["latest_k2"] == 0
     assert shares["any_k4"] == 0
+
+
+def test_copy_ceiling_chain_rules_choose_among_earlier_occurrences():
+    """``copy_ceiling.py --dense``: prompt 1 2 3 4 2 5 6, output 9 2 3 4. After 9 2 the latest
+    earlier 2 is followed by 5 (nothing accepted, so the chain takes 3 steps), the first 2, whose
+    producing state is nearest the output's, by 3 4 (the rest of the output: 2 steps); the most
+    frequent continuation ties 3 against 5 and takes the smaller token."""
+    module = load_benchmark("copy_ceiling")
+    tokens = np.array([1, 2, 3, 4, 2, 5, 6, 9, 2, 3, 4])
+    states = np.tile([0.0, 1.0], (tokens.size, 1))
+    states[[0, 7]] = [1.0, 0.0]  # the states producing the first 2 and the output's 2
+    assert module.chain_steps(tokens, 7, states) == {
+        "latest": 3, "most_frequent": 2, "nearest_state": 2, "latest_or_dense": 2, "best_of_longest": 2}
 
 
 def test_cost_model_replay_predicts_a_linear_engine_with_every_setting(tmp_path):
