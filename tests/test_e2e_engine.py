@@ -136,8 +136,9 @@ def test_ngrammys_is_lossless_and_accepts_tokens(model_dir, ngram_table_dir, e2e
 
 
 def record_screened_tree_steps(llm) -> list[bool]:
-    """A list that gets, at each call of the engine's screened head, whether the call was a tree
-    step's and was screened (empty where the engine has no screened head)."""
+    """A list that gets, at each call of the engine's screened head on a tree step whose rows the
+    screen takes (up to 256 with the bfloat16 dot product, 4 on 8-lane blocks), whether the call
+    was screened (empty where the engine has no screened head)."""
     runner, calls = model_runner_of(llm), []
     head = runner.vrs_screened_head
     if head is None:
@@ -148,7 +149,8 @@ def record_screened_tree_steps(llm) -> list[bool]:
     def recording(x, weight, bias):
         before = head.screened_calls
         out = head(x, weight, bias)
-        calls.append(session.plan is not None and head.screened_calls > before)
+        if session.plan is not None and x.shape[0] <= head.screen_rows:
+            calls.append(head.screened_calls > before)
         return out
 
     layer.cpu_linear = recording
@@ -172,8 +174,8 @@ def test_tree_verification_is_lossless(proposer, model_dir, code_store, ngram_ta
         assert_same_token_ids(baseline_runs[mode], run)
         assert run.counters.accepted_tokens > 0, mode
     assert drafter.stats.failures == 0
-    if pays_on_this_cpu():
-        assert sum(screened_tree_steps) > 0, "no tree step took the screened head"
+    if pays_on_this_cpu() and screened_tree_steps:
+        assert any(screened_tree_steps), "no tree step the screen could take took the screened head"
     stats = drafter.session.stats
     assert stats.tree_steps > 0, "no step verified a branching tree"
     assert drafter.session.step_attention.tree_layer_calls > 0, "the tree rows were left to the fix-up"
