@@ -24,7 +24,7 @@ transformers forward over prompt and output.
     python benchmarks/copy_ceiling.py --workloads doc_qa multi_turn --prompts 24 --max-tokens 64 128
     python benchmarks/copy_ceiling.py --workloads doc_qa --prompts 24 --max-tokens 128 --dense
 
-Writes results/copy_ceiling.json and prints a table.
+Writes results/copy_ceiling.json (``--dense``: results/copy_ceiling_dense.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -123,9 +123,8 @@ def accepted_by(rule: str, tokens: np.ndarray, states: np.ndarray, last: int) ->
     if rule == "nearest_state":
         return agreeing(continuation(tokens, nearest_state(ends, states, last)), tokens, last)
     if rule == "latest_or_dense":
-        same_token = earlier_same_token(tokens, last)
-        dense = agreeing(continuation(tokens, nearest_state(same_token, states, last)), tokens, last)
-        return max(accepted_by("latest", tokens, states, last), dense)
+        nearest = nearest_state(earlier_same_token(tokens, last), states, last)
+        return max(agreeing(continuation(tokens, end), tokens, last) for end in (int(ends[-1]), nearest))
     return max(agreeing(continuation(tokens, int(end)), tokens, last) for end in ends)
 
 
