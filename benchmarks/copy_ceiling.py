@@ -97,6 +97,7 @@ def agreeing(draft: np.ndarray, tokens: np.ndarray, last: int) -> int:
 
 
 def continuation(tokens: np.ndarray, end: int) -> np.ndarray:
+    """The ``DEPTH`` tokens after position ``end``: what copying from there drafts."""
     return tokens[end + 1:end + 1 + DEPTH]
 
 
