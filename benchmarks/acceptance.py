@@ -187,6 +187,8 @@ CONFIGS: dict[str, dict] = {
     # Context continuations stop at the end of the context, also in a loop (context_loops, default on since
     # 2026-12-01).
     "rest_k32_no_context_loops": _ours("RestProposer", 32, context_loops=False),
+    # its context occurrences ranked by the target's hidden states (the nearest counts v times)
+    **{f"rest_k32_votes{v}": _ours("RestProposer", 32, context_state_votes=v) for v in (2, 4)},
     # The longest suffix of the context (and datastore query) tried (default 16).
     **{f"rest_k32_n_max{n}": _ours("RestProposer", 32, n_max=n) for n in (32, 64)},
     # vLLM's oneDNN GEMM on every step instead of the skinny GEMM (cpu_gemm_max_rows, default 32).

@@ -21,6 +21,7 @@ confirm a change on the engine (a first-token-only request factor won here and l
     python benchmarks/budget_replay.py --workloads multi_turn --concurrency 8 --first-draft-ms 0.5 50
         # REST once per drafting time its budget sees at the first step (whether the first step drafts)
     python benchmarks/budget_replay.py --token-factors on off   # REST with and without tokens' factors
+    python benchmarks/budget_replay.py --context-state-votes 0 4   # REST's context occurrences by hidden state
     python benchmarks/budget_replay.py --workloads doc_qa --concurrency 1 --prompts 24 --warm-up 96
         # both drafters after 96 earlier requests of the workload (a server that has served a while)
 
@@ -43,6 +44,7 @@ configure_vllm_environment(in_process=True)
 
 import numpy as np  # noqa: E402
 
+from vllm_retrieval_spec.datastores.context_states import ContextStates  # noqa: E402
 from vllm_retrieval_spec.datastores.format import DatastoreError  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
@@ -183,8 +185,9 @@ class RestDrafter:
 
     def __init__(self, store, k: int, concurrency: int, cost: tuple[float, float, float],
                  prior_strength: float = AcceptanceCalibration.prior_strength,
-                 first_draft_seconds: float | None = None, token_factors: bool = True) -> None:
-        options = RetrievalSpecOptions()
+                 first_draft_seconds: float | None = None, token_factors: bool = True,
+                 states: TraceStates | None = None, context_state_votes: int = 0) -> None:
+        options = RetrievalSpecOptions(context_state_votes=context_state_votes)
         self.store, self.params = store, RestParams.from_options(options, chain_len=k)
         prior = (*cost, *PRIORS["cpu"][3:])
         self.budget = GoodputBudget(margin=options.budget_margin, cost=StepCostModel(prior=prior),
@@ -196,6 +199,9 @@ class RestDrafter:
         self.seconds = 0.0
         self.first_draft_seconds = first_draft_seconds  # the first step's drafting time as the budget sees it
         self.last_search: tuple[np.ndarray, DraftNodes] | None = None  # searched rows and their candidates
+        self.states = states  # the traces' hidden states, for REST's context ranking
+        self.context_states = None if states is None or context_state_votes <= 1 else ContextStates(
+            states.dim, concurrency, states.max_positions)
 
     def __call__(self, slots: list[Slot]) -> list[list[int]]:
         req_ids = [str(slot.index) for slot in slots]
@@ -203,6 +209,8 @@ class RestDrafter:
         for row, slot in enumerate(slots):
             tokens[row, : len(slot.tokens)] = slot.tokens
         lengths = np.array([slot.context_length for slot in slots], np.int32)
+        if self.context_states is not None:
+            self._write_new_states(slots, req_ids)
         start = time.perf_counter()
         drafts = self._draft(req_ids, tokens, lengths, [slot.sampled for slot in slots])
         self.seconds += time.perf_counter() - start
@@ -221,8 +229,10 @@ class RestDrafter:
             return drafts
         live = None if self.live is None else self.live.lookup(
             req_ids, tokens, lengths, rows, self.live_max_matches, self.params.continuation_len).as_given()
+        states = None if self.context_states is None else (
+            self.context_states.native, self.context_states.slots_of([req_ids[r] for r in rows]))
         found = rest_retrieve(self.store, tokens, lengths, rows, self.params, output_index=self.output_index.native,
-                              live=live, chances=self.budget.chance_table())
+                              live=live, chances=self.budget.chance_table(), context_states=states)
         nodes = found.nodes(False)
         self.last_search = rows, nodes
         seconds = time.perf_counter() - start
@@ -235,11 +245,46 @@ class RestDrafter:
             drafts[row] = kept[j, : sizes[j]].tolist()
         return drafts
 
+    def _write_new_states(self, slots: list[Slot], req_ids: list[str]) -> None:
+        """The states of the requests starting this step, at once: each state that produced a
+        token of the trace (the replay reads only those that produced its context so far)."""
+        for row, slot in enumerate(slots):
+            if slot.position == 1:
+                produced = self.states.of(slot.trace)
+                positions = np.arange(1, len(produced) + 1)
+                self.context_states.write(req_ids, np.full(len(positions), row), positions, produced)
+
     def finish(self, slot: Slot) -> None:
         self.budget.observe([str(slot.index)], [slot.sampled])
         if self.live is not None:
             self.live.remove([str(slot.index)])
+        if self.context_states is not None:
+            self.context_states.release([str(slot.index)])
         self.output_index.add(slot.tokens)
+
+
+class TraceStates:
+    """The target's last hidden states over each trace's tokens (one float32 transformers forward
+    per trace, on first use): ``of(trace)[i]`` produced the trace's token ``i + 1``."""
+
+    def __init__(self, model_path: Path, traces: list[GreedyTrace]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.dim = int(self._model.config.hidden_size)
+        self.max_positions = max(len(trace.prompt_ids) + len(trace.output_ids) for trace in traces)
+        self._states: dict[int, np.ndarray] = {}
+
+    def of(self, trace: GreedyTrace) -> np.ndarray:
+        key = id(trace)
+        if key not in self._states:
+            tokens = self._torch.tensor([list(trace.prompt_ids) + list(trace.output_ids)])
+            with self._torch.no_grad():
+                hidden = self._model(tokens, output_hidden_states=True).hidden_states[-1][0, :-1]
+            self._states[key] = hidden.numpy()
+        return self._states[key]
 
 
 @dataclass
@@ -358,14 +403,17 @@ def workload_traces(model: Path, workload: str, prompts: int, max_tokens: int) -
     return cached_traces(model, path, max_tokens, texts, workload)
 
 
-def rest_variants(args: argparse.Namespace) -> list[tuple[str, float, float | None, bool]]:
+def rest_variants(args: argparse.Namespace) -> list[tuple[str, float, float | None, bool, int]]:
     """REST's replays: a name, a prior strength, the first step's drafting seconds (None: as
-    measured) and whether tokens' factors scale the chances, for each combination asked."""
+    measured), whether tokens' factors scale the chances and the votes of the context occurrence
+    nearest by hidden state, for each combination asked."""
     firsts = [None] if args.first_draft_ms is None else [ms / 1000 for ms in args.first_draft_ms]
     return [(f"rest_k{args.k}" + (f"_s{strength:g}" if len(args.prior_strengths) > 1 else "")
              + ("" if first is None else f"_first{first * 1000:g}ms")
-             + ("" if factors == "on" else "_no_token_factors"), strength, first, factors == "on")
-            for strength in args.prior_strengths for first in firsts for factors in args.token_factors]
+             + ("" if factors == "on" else "_no_token_factors") + (f"_votes{votes}" if votes > 1 else ""),
+             strength, first, factors == "on", votes)
+            for strength in args.prior_strengths for first in firsts for factors in args.token_factors
+            for votes in args.context_state_votes]
 
 
 def parse_args() -> argparse.Namespace:
@@ -383,6 +431,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--token-factors", nargs="+", choices=("on", "off"), default=["on"],
                         help="REST once with each: tokens' factors scaling the budget's chances (option "
                              "budget_token_factors) or not")
+    parser.add_argument("--context-state-votes", type=int, nargs="+", default=[0],
+                        help="REST once with each option context_state_votes: the times the context occurrence "
+                             "nearest by the target's hidden state counts (one transformers forward per trace; "
+                             "0 or 1: off)")
     parser.add_argument("--same-states", action="store_true",
                         help="instead: REST against suffix at the same decoding states, one request at a time")
     parser.add_argument("--datastore", default=RetrievalSpecOptions().datastore,
@@ -446,10 +498,11 @@ def main() -> None:
         for workload in args.workloads:
             traces = workload_traces(model, workload, args.prompts + args.warm_up, workload_tokens(workload))
             suffix = warmed_lock_step(traces, args.warm_up, concurrency, cost, SuffixDrafter()).row("suffix")
+            trace_states = TraceStates(model, traces) if max(args.context_state_votes) > 1 else None
             rests = [warmed_lock_step(traces, args.warm_up, concurrency, cost,
-                                      RestDrafter(store, args.k, concurrency, cost, strength, first,
-                                                  factors)).row(name)
-                     for name, strength, first, factors in rest_variants(args)]
+                                      RestDrafter(store, args.k, concurrency, cost, strength, first, factors,
+                                                  trace_states, votes)).row(name)
+                     for name, strength, first, factors, votes in rest_variants(args)]
             for row in (suffix, *rests):
                 row.update(workload=workload, speedup_vs_suffix=row["simulated_tokens_per_second"]
                            / suffix["simulated_tokens_per_second"])
@@ -462,6 +515,7 @@ def main() -> None:
         out.write_text(json.dumps({**run_fields(args), "concurrency": concurrency, "cost_seconds": cost,
                                    "prior_strengths": args.prior_strengths,
                                    "first_draft_ms": args.first_draft_ms, "token_factors": args.token_factors,
+                                   "context_state_votes": args.context_state_votes,
                                    "results": report},
                                   indent=2) + "\n")
         print(f"written: {out}", file=sys.stderr)

@@ -7,10 +7,12 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -190,6 +192,8 @@ struct MergedOrderStore {
   }
 };
 
+constexpr int kMaxContextStateVotes = 1024;  // a trie count stays far from int32's limit
+
 void check_rest_params(const vrs::RestParams& prm) {
   if (prm.n_min < 1 || prm.n_max < prm.n_min)
     throw std::invalid_argument("need 1 <= n_min <= n_max");
@@ -202,6 +206,8 @@ void check_rest_params(const vrs::RestParams& prm) {
                                 std::to_string(vrs::kMaxContextMatches) + "]");
   if (prm.output_max_matches < 0)
     throw std::invalid_argument("need output_max_matches >= 0");
+  if (prm.context_state_votes < 0 || prm.context_state_votes > kMaxContextStateVotes)
+    throw std::invalid_argument("context_state_votes must be in [0, " + std::to_string(kMaxContextStateVotes) + "]");
   if (!(prm.context_weight >= 0) || !(prm.min_ratio >= 0) || !(prm.output_weight >= 0) ||
       !(prm.dense_weight >= 0) || !(prm.live_weight >= 0))
     throw std::invalid_argument("weights must be >= 0");
@@ -344,14 +350,33 @@ struct RestInputs {
   GivenInput learned;
   GivenInput live;
   std::optional<vrs::ChanceTable> table;
+  const vrs::ContextStates* states = nullptr;  // with state_slots [rows]: each row's slot (-1: none)
+  const int32_t* state_slots = nullptr;
 
   // Row r's given continuations, held in `rows` (dense, learned, live) while they are used.
   vrs::RestExtras extras(int64_t r, std::array<std::optional<vrs::GivenContinuations>, 3>& rows) const {
     rows = {dense.row(r), learned.row(r), live.row(r)};
     const auto view = [](const std::optional<vrs::GivenContinuations>& row) { return row ? &*row : nullptr; };
-    return {view(rows[0]), view(rows[1]), view(rows[2]), table ? &*table : nullptr};
+    return {view(rows[0]), view(rows[1]), view(rows[2]), table ? &*table : nullptr, states,
+            states == nullptr ? -1 : state_slots[r]};
   }
 };
+
+// The context states and each row's slot, checked (both or neither).
+std::pair<const vrs::ContextStates*, const int32_t*> context_states_of(const vrs::ContextStates* states,
+                                                                       const std::optional<ConstVector<Cpu>>& slots,
+                                                                       size_t num_rows) {
+  if ((states == nullptr) != !slots)
+    throw std::invalid_argument("context_states and state_slots go together");
+  if (states == nullptr) return {nullptr, nullptr};
+  if (slots->shape(0) != num_rows)
+    throw std::invalid_argument("state_slots must hold one slot per requested row");
+  for (size_t r = 0; r < num_rows; ++r)
+    if ((*slots)(r) < -1 || (*slots)(r) >= states->max_slots())
+      throw std::out_of_range("state_slots[" + std::to_string(r) + "] = " + std::to_string((*slots)(r)) +
+                              " is outside [-1, " + std::to_string(states->max_slots()) + ")");
+  return {states, slots->data()};
+}
 
 template <typename Tok, typename Idx>
 void run_rest(const vrs::StoreShards<Tok, Idx>* store, const vrs::OutputIndex* output,
@@ -364,6 +389,8 @@ void run_rest(const vrs::StoreShards<Tok, Idx>* store, const vrs::OutputIndex* o
   const int32_t* row_data = rows.data();
   const int64_t num_rows = static_cast<int64_t>(rows.shape(0));
   nb::gil_scoped_release release;
+  std::unique_lock<std::mutex> states_lock;
+  if (inputs.states != nullptr) states_lock = std::unique_lock<std::mutex>(inputs.states->mutex());
   vrs::parallel_for(num_rows, vrs::ThreadPlan{num_threads, num_rows, kRestGrain}, [&](int64_t r) {
     thread_local vrs::ContinuationTrie trie;
     const int64_t row = row_data[r];
@@ -430,14 +457,16 @@ nb::dict rest_retrieve(std::optional<std::vector<const SuffixStore*>> store, con
                        std::optional<ConstVector<Cpu>> live_match_len, std::optional<ChanceArray> chance_table,
                        std::optional<BucketVector> length_bucket, std::optional<BucketVector> depth_bucket,
                        bool profile, int num_threads, vrs::SelectionCache* store_cache,
-                       const MergedOrderStore* store_order) {
+                       const MergedOrderStore* store_order, const vrs::ContextStates* context_states,
+                       std::optional<ConstVector<Cpu>> state_slots) {
   check_rest_params(prm);
   check_rows(tokens, lengths, rows);
   const size_t num_rows = rows.shape(0);
+  const auto [states, slots] = context_states_of(context_states, state_slots, num_rows);
   const RestInputs inputs{GivenInput("dense", dense_tokens, dense_lengths, dense_match_len, num_rows),
                           GivenInput("learned", learned_tokens, learned_lengths, learned_match_len, num_rows),
                           GivenInput("live", live_tokens, live_lengths, live_match_len, num_rows),
-                          chance_table_of(chance_table, length_bucket, depth_bucket)};
+                          chance_table_of(chance_table, length_bucket, depth_bucket), states, slots};
   RestArrays out(num_rows, prm, profile);
   const std::optional<vrs::OutputIndex> output_index = output_index_of(output);
   const vrs::OutputIndex* out_index = output_index ? &*output_index : nullptr;
@@ -508,6 +537,7 @@ void bind_rest(nb::module_& m) {
       .def_rw("context_weight", &vrs::RestParams::context_weight)
       .def_rw("context_max_matches", &vrs::RestParams::context_max_matches)
       .def_rw("context_loops", &vrs::RestParams::context_loops)
+      .def_rw("context_state_votes", &vrs::RestParams::context_state_votes)
       .def_rw("output_weight", &vrs::RestParams::output_weight)
       .def_rw("output_max_matches", &vrs::RestParams::output_max_matches)
       .def_rw("dense_weight", &vrs::RestParams::dense_weight)
@@ -542,11 +572,14 @@ void bind_rest(nb::module_& m) {
         nb::arg("chance_table").none() = nb::none(), nb::arg("length_bucket").none() = nb::none(),
         nb::arg("depth_bucket").none() = nb::none(), nb::arg("profile") = false, nb::arg("num_threads") = 0,
         nb::arg("store_cache").none() = nb::none(), nb::arg("store_order").none() = nb::none(),
+        nb::arg("context_states").none() = nb::none(), nb::arg("state_slots").none() = nb::none(),
         "REST drafts for tokens[rows]: datastore (a list of SuffixStore shards searched as one "
         "suffix array over their concatenation, continuations sampled through store_order, a MergedOrder of those "
         "shards, else selected across them and remembered in store_cache; unless store is None or "
         "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and "
-        "live continuations + context trie, top-k subtree and best chain, ranked by calibrated path chance with a "
+        "live continuations + context trie (with context_states and each row's slot in state_slots, -1: none, the "
+        "context occurrence whose last token's producing state is nearest the context's last token's counts as "
+        "much again as all of them), top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "
         "when top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "

@@ -1,4 +1,5 @@
-// Bindings of the live index of requests in flight (live_index.h).
+// Bindings of the state kept of requests in flight: the live index of their tokens (live_index.h)
+// and their hidden states by position (context_states.h).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "context_states.h"
 #include "live_index.h"
 #include "parallel.h"
 
@@ -125,9 +127,57 @@ Value locked(LiveIndexHandle& handle, Value (vrs::LiveIndex::*read)() const) {
   return (handle.index.*read)();
 }
 
+using Int64Vector = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, Cpu>;
+using StateMatrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, Cpu>;
+
+void write_states(vrs::ContextStates& states, ConstVector<Cpu> slots, Int64Vector positions, StateMatrix values) {
+  const size_t count = slots.shape(0);
+  if (positions.shape(0) != count || values.shape(0) != count ||
+      values.shape(1) != static_cast<size_t>(states.dim()))
+    throw std::invalid_argument("slots [n], positions [n] and states [n, " + std::to_string(states.dim()) +
+                                "] go together");
+  for (size_t i = 0; i < count; ++i)
+    if (slots(i) < 0 || slots(i) >= states.max_slots() || positions(i) < 0 ||
+        positions(i) >= states.max_positions())
+      throw std::out_of_range("slots[" + std::to_string(i) + "] = " + std::to_string(slots(i)) + ", positions[" +
+                              std::to_string(i) + "] = " + std::to_string(positions(i)) + " are outside [0, " +
+                              std::to_string(states.max_slots()) + ") x [0, " +
+                              std::to_string(states.max_positions()) + ")");
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(states.mutex());
+  for (size_t i = 0; i < count; ++i) states.write(slots(i), positions(i), values.data() + i * states.dim());
+}
+
+void release_slot(vrs::ContextStates& states, int32_t slot) {
+  if (slot < 0 || slot >= states.max_slots())
+    throw std::out_of_range("slot " + std::to_string(slot) + " is outside [0, " +
+                            std::to_string(states.max_slots()) + ")");
+  std::lock_guard<std::mutex> lock(states.mutex());
+  states.release(slot);
+}
+
 }  // namespace
 
 void bind_live(nb::module_& m) {
+  nb::class_<vrs::ContextStates>(
+      m, "ContextStates",
+      "Hidden states (dim floats, stored as unit vectors) of up to max_slots requests in flight by the position "
+      "of the token each produced, below max_positions; REST's context source follows the occurrence whose "
+      "last token's producing state is nearest the context's last token's (csrc/context_states.h).")
+      .def(nb::init<int, int, int64_t>(), nb::arg("dim"), nb::arg("max_slots"), nb::arg("max_positions"))
+      .def("write", &write_states, nb::arg("slots"), nb::arg("positions"), nb::arg("states"),
+           "Store states[i] as slot slots[i]'s state at positions[i] (GIL released).")
+      .def("release", &release_slot, nb::arg("slot"), "Forget a slot's states and free their memory.")
+      .def("known", [](const vrs::ContextStates& s, int32_t slot, int64_t position) {
+             std::lock_guard<std::mutex> lock(s.mutex());
+             return s.at(slot, position) != nullptr;
+           }, nb::arg("slot"), nb::arg("position"), "Whether slot's state at position was written.")
+      .def_prop_ro("dim", &vrs::ContextStates::dim)
+      .def_prop_ro("memory_bytes", [](const vrs::ContextStates& s) {
+        std::lock_guard<std::mutex> lock(s.mutex());
+        return s.memory_bytes();
+      }, "Bytes the states hold.");
+
   nb::class_<LiveIndexHandle>(
       m, "LiveIndex",
       "The tokens of requests in flight in a ring of `capacity` tokens (oldest evicted), with "

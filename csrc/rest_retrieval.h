@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "context_ngram.h"
+#include "context_states.h"
 #include "merged_order.h"
 #include "sharded_store.h"
 
@@ -32,6 +33,7 @@ struct RestParams {
   double context_weight = 0;    // weight of one context continuation (a datastore one weighs 1)
   int context_max_matches = 0;  // most recent context occurrences used (<= kMaxContextMatches)
   bool context_loops = false;   // a context continuation reaching the context's end repeats (a loop)
+  int context_state_votes = 0;  // times the occurrence nearest by hidden state counts (given states)
   double output_weight = 0;     // weight of one continuation from the output index
   int output_max_matches = 0;   // output-index continuations per request (evenly sampled)
   double dense_weight = 0;      // weight of one given dense continuation (DReSD's neighbours, the store's or
@@ -249,14 +251,15 @@ class ContinuationTrie {
     return *buffer;
   }
 
+  // Counts seq (len tokens from source) `times` times.
   template <typename T>
-  void insert(const T* seq, int len, int8_t source) {
+  void insert(const T* seq, int len, int8_t source, int32_t times = 1) {
     if (len <= 0) return;
-    count(0, source);
+    count(0, source, times);
     int32_t cur = 0;
     for (int i = 0; i < len; ++i) {
       cur = child(cur, static_cast<int32_t>(seq[i]));
-      count(cur, source);
+      count(cur, source, times);
     }
   }
 
@@ -416,14 +419,14 @@ class ContinuationTrie {
     out.source[i] = source_flags(nodes_[node]);
   }
 
-  void count(int32_t node, int8_t source) {
+  void count(int32_t node, int8_t source, int32_t times) {
     Node& n = nodes_[node];
-    if (source == kFromContext) ++n.context_count;
-    else if (source == kFromOutput) ++n.output_count;
-    else if (source == kFromDense) ++n.dense_count;
-    else if (source == kFromLive) ++n.live_count;
-    else if (source == kFromLearned) ++n.learned_count;
-    else ++n.datastore_count;
+    if (source == kFromContext) n.context_count += times;
+    else if (source == kFromOutput) n.output_count += times;
+    else if (source == kFromDense) n.dense_count += times;
+    else if (source == kFromLive) n.live_count += times;
+    else if (source == kFromLearned) n.learned_count += times;
+    else n.datastore_count += times;
   }
 
   int32_t child(int32_t parent, int32_t token) {
@@ -635,6 +638,8 @@ struct RestExtras {
   const GivenContinuations* learned;
   const GivenContinuations* live;
   const ChanceTable* table;
+  const ContextStates* states;  // the requests' hidden states by position, or nullptr
+  int32_t state_slot;           // this request's slot in states (-1: none)
 };
 
 template <typename Tok, typename Idx>
@@ -674,10 +679,14 @@ void rest_retrieve_one(const StoreShards<Tok, Idx>* store, const OutputIndex* ou
     ctx_len = longest_recent_match(ctx, n, prm.n_min, prm.n_max, prm.context_max_matches, match_pos, &m);
     thread_local std::vector<int32_t> continuation;
     continuation.resize(static_cast<size_t>(prm.cont_len));
+    // The occurrence whose producing state is nearest the current one counts context_state_votes
+    // times: where the occurrences' continuations part, the trie leans to the model's own state.
+    const int nearest = extras.states == nullptr || prm.context_state_votes <= 1 ? -1
+                        : extras.states->nearest_occurrence(extras.state_slot, match_pos, m, ctx_len, n);
     for (int i = 0; i < m; ++i) {
       const int len = context_continuation(ctx, n, match_pos[i], ctx_len, prm.cont_len, prm.context_loops,
                                            continuation.data());
-      trie.insert(continuation.data(), len, kFromContext);
+      trie.insert(continuation.data(), len, kFromContext, i == nearest ? prm.context_state_votes : 1);
     }
   }
   auto t3 = clock::now();

@@ -129,6 +129,12 @@ class RetrievalSpecOptions:
         "when the match spans a whole period (the output loops, as small models' greedy outputs do); false: it "
         "stops at the end of the context",
     )
+    context_state_votes: int = _option(
+        0, _int_in(0, 1024),
+        "REST: times the context occurrence whose last token was produced by the hidden state nearest the one "
+        "that produced the context's last token counts (0 or 1: off, every occurrence counts once); keeps each "
+        "running request's hidden states (hidden size x 4 bytes a token) until it finishes",
+    )
     n_min: int = _option(1, _int_in(1, 64), "REST: shortest context suffix that may match")
     n_max: int = _option(16, _int_in(1, 64), "REST: longest context suffix tried first")
     max_matches: int = _option(

@@ -76,13 +76,14 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     # the runner's and its input batch's state, read every step
     *_many(RUNNER, "GPUModelRunner", INSTANCE, "drafter input_batch rejection_sampler sampler positions "
            "query_start_loc discard_request_mask device vllm_config model_config parallel_config "
-           "compilation_config num_prompt_logprobs"),
+           "compilation_config num_prompt_logprobs scheduler_config max_model_len"),
     *_many(INPUT_BATCH, "InputBatch", INSTANCE, "req_ids num_reqs temperature_cpu token_ids_cpu "
            "num_tokens_no_spec req_id_to_index generators num_computed_tokens_cpu"),
     # serve's --shutdown-timeout (cli.py: time for the workers to save the output index)
     VllmSymbol("vllm.engine.arg_utils", "EngineArgs.shutdown_timeout", FIELD),
     *_many("vllm.v1.core.sched.output", "SchedulerOutput", FIELD,
-           "finished_req_ids total_num_scheduled_tokens scheduled_spec_decode_tokens scheduled_new_reqs"),
+           "finished_req_ids total_num_scheduled_tokens num_scheduled_tokens scheduled_spec_decode_tokens "
+           "scheduled_new_reqs"),
     # a request's own speculation switch (options.SPECULATE_ARG), read as the runner starts it
     *_many("vllm.v1.core.sched.output", "NewRequestData", FIELD, "req_id sampling_params"),
     VllmSymbol("vllm.sampling_params", "SamplingParams.extra_args", FIELD),

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vllm_retrieval_spec.compat import UnsupportedVllmError, is_supported_version, version_minor, vllm_version
+from vllm_retrieval_spec.datastores.context_states import ContextStates
 from vllm_retrieval_spec.datastores.live_index import LiveIndex
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
 from vllm_retrieval_spec.datastores.output_snapshot import (
@@ -286,7 +287,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     session = SpecSession(tree_mode=options.tree, head_size=runner.model_config.get_head_size(), budget=budget,
                           output_index=output_index,
                           live_index=LiveIndex.from_options(options) if drafter.uses_live_index() else None,
-                          learned_dense=drafter.learned_dense_index())
+                          learned_dense=drafter.learned_dense_index(),
+                          context_states=_context_states(runner) if drafter.keeps_context_states() else None)
     if session.learned_dense is not None:
         keep_learned_dense(runner, options, session.learned_dense)
     drafter.bind_session(session)
@@ -305,7 +307,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
         return _update_states
 
-    reads_hidden_states = drafter.needs_hidden_states()
+    reads_hidden_states = drafter.needs_hidden_states() or session.context_states is not None
 
     def begin_step(original: Callable) -> Callable:
         # vLLM 0.32/0.33: (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -319,6 +321,11 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
             if reads_hidden_states:
                 session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids,
                                            batch.num_tokens_no_spec[: batch.num_reqs])
+            if session.context_states is not None:
+                scheduled = scheduler_output.num_scheduled_tokens
+                session.keep_prompt_states(hidden_states, np.fromiter(map(scheduled.__getitem__, batch.req_ids),
+                                                                      np.int64, batch.num_reqs),
+                                           batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64), drafts)
             try:
                 return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
@@ -363,6 +370,13 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
     runner.vrs_output_snapshots = snapshots
     _close_at_shutdown(runner, snapshots)
     return snapshots
+
+
+def _context_states(runner: GPUModelRunner) -> ContextStates:
+    """Room for the hidden states of as many requests as the runner runs at once, as long as its
+    longest context."""
+    return ContextStates(runner.model_config.get_hidden_size(), runner.scheduler_config.max_num_seqs,
+                         runner.max_model_len)
 
 
 def keep_learned_dense(runner: GPUModelRunner, options: RetrievalSpecOptions,

@@ -59,6 +59,7 @@ class RestParams:
     context_weight: float = 256.0
     context_max_matches: int = 64
     context_loops: bool = True
+    context_state_votes: int = 0
     output_weight: float = 4.0
     output_max_matches: int = 64
     dense_weight: float = 1.0
@@ -140,6 +141,7 @@ def rest_retrieve(
     learned: tuple[np.ndarray, ...] | None = None,
     live: tuple[np.ndarray, ...] | None = None,
     chances: ChanceTable | None = None,
+    context_states: tuple[Any, np.ndarray] | None = None,
     num_threads: int = 0,
     profile: bool = False,
 ) -> RestDrafts:
@@ -154,8 +156,12 @@ def rest_retrieve(
     own source flag, ``SOURCE_LEARNED``); ``live`` the same from the requests in flight, each
     weighing ``live_weight``. With ``chances`` nodes rank by calibrated path chance, else by weight. A
     sharded store's continuations are sampled through its ``merged_order`` when it has one, else
-    selected across its shards and kept in its ``selection_cache`` across calls.
-    ``num_threads`` caps the threads (0: one per core); small batches run on one."""
+    selected across its shards and kept in its ``selection_cache`` across calls. With
+    ``context_states`` (the ``native`` of a
+    :class:`~vllm_retrieval_spec.datastores.context_states.ContextStates` and each requested row's
+    slot in it, -1: none) the context occurrence whose last token's producing state is nearest the
+    context's last token's counts as much again as all of them. ``num_threads`` caps the threads
+    (0: one per core); small batches run on one."""
     ext = load_extension()
     shards = _drafting_store(store)
     arrays = ext.rest_retrieve(
@@ -173,6 +179,7 @@ def rest_retrieve(
         num_threads=num_threads,
         store_cache=getattr(store, "selection_cache", None) if shards else None,
         store_order=getattr(store, "merged_order", None) if shards else None,
+        **_states_arrays(context_states),
     )
     return RestDrafts(**arrays)
 
@@ -183,6 +190,14 @@ def _given_arrays(name: str, given: tuple[np.ndarray, ...] | None) -> dict[str, 
         return {}
     keys = ("tokens", "lengths", "match_len")[: len(given)]
     return {f"{name}_{key}": np.ascontiguousarray(array, dtype=np.int32) for key, array in zip(keys, given)}
+
+
+def _states_arrays(context_states: tuple[Any, np.ndarray] | None) -> dict[str, Any]:
+    """The extension's ``context_states`` and ``state_slots`` arguments."""
+    if context_states is None:
+        return {}
+    states, slots = context_states
+    return {"context_states": states, "state_slots": np.ascontiguousarray(slots, dtype=np.int32)}
 
 
 def _table_arrays(chances: ChanceTable | None) -> dict[str, np.ndarray]:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
 
+    from vllm_retrieval_spec.datastores.context_states import ContextStates
     from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 
 logger = init_logger(__name__)
@@ -52,6 +53,7 @@ class DraftSession(Protocol):
     budget: GoodputBudget | None  # the goodput budget (``budget: auto``), else None
     output_index: OutputIndex | None  # the cross-request output index, when uses_output_index()
     learned_dense: LearnedDenseIndex | None  # the dense index learned from served traffic, when we gave one
+    context_states: ContextStates | None  # the requests' hidden states by position, when keeps_context_states()
     step_hidden_states: torch.Tensor | None  # [rows, hidden] this step, when needs_hidden_states()
     step_samples: np.ndarray | None  # [rows] bool this step: the row's request samples (temperature > 0)
     step_speculates: np.ndarray | None  # [rows] bool this step: the row's request lets us draft (None: all do)
@@ -156,6 +158,7 @@ class DraftProposer(abc.ABC):
             "the output index (use_output_index)": self.uses_output_index(),
             "the live index (use_live_index)": self.uses_live_index(),
             f"the target's hidden states ({type(self).__name__})": self.needs_hidden_states(),
+            "the context's hidden states (context_state_votes)": self.keeps_context_states(),
         }
         return [feature for feature, wanted in features.items() if wanted]
 
@@ -170,6 +173,11 @@ class DraftProposer(abc.ABC):
     def needs_hidden_states(self) -> bool:
         """Whether the runner's session should keep the target's last hidden state of every
         row for us (``session.step_hidden_states``)."""
+        return False
+
+    def keeps_context_states(self) -> bool:
+        """Whether the runner's session should keep the hidden state that produced every token
+        of each running request for us (``session.context_states``)."""
         return False
 
     def learned_dense_index(self) -> LearnedDenseIndex | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ class RestProposer(DraftProposer):
     def uses_live_index(self) -> bool:
         return self.options.use_live_index and self.num_speculative_tokens > 1
 
+    def keeps_context_states(self) -> bool:
+        return self.options.use_context and self.options.context_state_votes > 1
+
     def draft(self, batch: DraftBatch) -> RestDrafts:
         self.last_drafts = self.retrieve(batch)
         return self.last_drafts
@@ -62,6 +65,7 @@ class RestProposer(DraftProposer):
             learned=learned,
             live=self._live_matches(batch),
             chances=self._chances(),
+            context_states=self._context_states(batch),
             num_threads=self.options.num_threads,
         )
 
@@ -69,6 +73,13 @@ class RestProposer(DraftProposer):
         """The goodput budget's calibrated chance table (None without a budget: rank by weight)."""
         budget = None if self.session is None else self.session.budget
         return None if budget is None else budget.chance_table()
+
+    def _context_states(self, batch: DraftBatch) -> tuple[Any, np.ndarray] | None:
+        """The session's context states and the slot of each of the batch's rows (None without)."""
+        states = None if self.session is None else self.session.context_states
+        if states is None:
+            return None
+        return states.native, states.slots_of([self.session.step_req_ids[row] for row in batch.rows.tolist()])
 
     def _live_matches(self, batch: DraftBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The rows' continuations from the other requests in flight (None without a live index)."""

@@ -13,6 +13,9 @@ drafter, and owns everything that lives between drafting and verification:
 - the cross-request :class:`~vllm_retrieval_spec.datastores.live_index.LiveIndex` of the
   requests still in flight (REST with ``use_live_index``), brought up to date when a step
   drafts and rid of each request as it finishes or is aborted;
+- the :class:`~vllm_retrieval_spec.datastores.context_states.ContextStates` of the requests in
+  flight (REST with ``context_state_votes``): the hidden state that produced each of their
+  tokens, prompt tokens included, freed as each request finishes or is aborted;
 - the :class:`~vllm_retrieval_spec.datastores.learned_dense.LearnedDenseIndex` a dense proposer
   gives it (``dense_learned_positions``): the keys of every generated token, learned when
   their request finishes, dropped when it is aborted;
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 
 from vllm_retrieval_spec.candidates import DraftQ
+from vllm_retrieval_spec.datastores.context_states import ContextStates
 from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
 from vllm_retrieval_spec.datastores.live_index import LiveIndex, LiveMatches
 from vllm_retrieval_spec.datastores.output_index import OutputIndex
@@ -111,6 +115,7 @@ class SpecSession:
     output_index: OutputIndex | None = None
     live_index: LiveIndex | None = None
     learned_dense: LearnedDenseIndex | None = None
+    context_states: ContextStates | None = None
     metrics: StepMetrics | None = None
     step_attention: StepAttention | None = None  # CPU build, float32: cpu_step_attention
     stats: TreeVerificationStats = field(default_factory=TreeVerificationStats)
@@ -194,21 +199,46 @@ class SpecSession:
 
     def keep_hidden_states(self, sample_hidden_states: torch.Tensor, num_draft_tokens: Sequence[int] | None,
                            sampled_token_ids: Sequence[Sequence[int]], num_tokens: np.ndarray | None = None) -> None:
-        """For drafters that read the target's hidden states (DReSD): keep, per input-batch row,
-        the hidden state that produced the row's last sampled token (``[rows, hidden]``, on the
-        model's device; rows that sampled nothing keep an arbitrary one), and with a learned
-        dense index and the rows' token counts ``num_tokens`` (sampled tokens included), hand it
-        the state of every token sampled this step."""
+        """For drafters that read the target's hidden states (DReSD, REST with context states):
+        keep, per input-batch row, the hidden state that produced the row's last sampled token
+        (``[rows, hidden]``, on the model's device; rows that sampled nothing keep an arbitrary
+        one), and with the rows' token counts ``num_tokens`` (sampled tokens included) hand the
+        state of every token sampled this step to the learned dense index and the context states."""
         producers, sampled = self._producing_rows(num_draft_tokens, sampled_token_ids)
         rows = np.arange(len(sampled))
         last = producers[rows, np.maximum(sampled, 1) - 1]
         self.step_hidden_states = sample_hidden_states[torch.from_numpy(last).to(sample_hidden_states.device)]
-        if self.learned_dense is not None and num_tokens is not None and sampled.any():
-            row, column = np.nonzero(np.arange(producers.shape[1]) < sampled[:, None])
-            states = sample_hidden_states[torch.from_numpy(producers[row, column]).to(sample_hidden_states.device)]
-            positions = np.asarray(num_tokens, np.int64)[row] - sampled[row] + column
-            owners = np.asarray(self.step_req_ids, dtype=object)[row]
-            self.learned_dense.record_states(owners, positions, states.float().cpu().numpy())
+        if (self.learned_dense is None and self.context_states is None) or num_tokens is None or not sampled.any():
+            return
+        row, column = np.nonzero(np.arange(producers.shape[1]) < sampled[:, None])
+        states = sample_hidden_states[torch.from_numpy(producers[row, column]).to(sample_hidden_states.device)]
+        states = states.float().cpu().numpy()
+        positions = np.asarray(num_tokens, np.int64)[row] - sampled[row] + column
+        if self.learned_dense is not None:
+            self.learned_dense.record_states(np.asarray(self.step_req_ids, dtype=object)[row], positions, states)
+        if self.context_states is not None:
+            self.context_states.write(self.step_req_ids, row, positions, states)
+
+    def keep_prompt_states(self, hidden_states: torch.Tensor, num_scheduled: np.ndarray, num_computed: np.ndarray,
+                           num_draft_tokens: Sequence[int] | None) -> None:
+        """With context states: the states of the prompt tokens this step computed. Row ``i``
+        scheduled ``num_scheduled[i]`` tokens after its first ``num_computed[i]`` (``hidden_states``
+        holds theirs in row order); a row that scheduled more than its drafts and one token holds
+        prompt tokens, each of whose states produced the token after it."""
+        if self.context_states is None:
+            return
+        drafts = np.zeros(len(num_scheduled), np.int64) if num_draft_tokens is None else np.asarray(
+            num_draft_tokens, np.int64)[: len(num_scheduled)]
+        prompt_rows = np.flatnonzero(num_scheduled > drafts + 1)
+        if not len(prompt_rows):
+            return
+        starts = np.cumsum(num_scheduled) - num_scheduled
+        counts = num_scheduled[prompt_rows]
+        row = np.repeat(prompt_rows, counts)
+        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        index = torch.from_numpy(starts[row] + offset).to(hidden_states.device)
+        self.context_states.write(self.step_req_ids, row, num_computed[row] + offset + 1,
+                                  hidden_states[index].float().cpu().numpy())
 
     def _producing_rows(self, num_draft_tokens: Sequence[int] | None,
                         sampled_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -256,6 +286,8 @@ class SpecSession:
         if self.learned_dense is not None:
             self.learned_dense.finish(tokens)
             self.learned_dense.forget(req_id for req_id in req_ids if req_id not in tokens)
+        if self.context_states is not None:
+            self.context_states.release(req_ids)
         for req_id in req_ids:
             self.requests.pop(req_id, None)
         self.unspeculated.difference_update(req_ids)
