@@ -12,8 +12,8 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -578,8 +578,8 @@ void bind_rest(nb::module_& m) {
         "shards, else selected across them and remembered in store_cache; unless store is None or "
         "params.use_datastore is false) + output index (unless output is None) + given dense, learned-dense and "
         "live continuations + context trie (with context_states and each row's slot in state_slots, -1: none, the "
-        "context occurrence whose last token's producing state is nearest the context's last token's counts as "
-        "much again as all of them), top-k subtree and best chain, ranked by calibrated path chance with a "
+        "context occurrence whose last token's producing state is nearest the context's last token's counts "
+        "params.context_state_votes times), top-k subtree and best chain, ranked by calibrated path chance with a "
         "chance_table, else by weight (CPU threads, GIL released). Returns a dict of new arrays: "
         "tree_tokens, tree_parents, tree_prob, tree_source [rows, top_k] and tree_size [rows] (None "
         "when top_k == 0), chain_tokens, chain_prob, chain_source [rows, chain_len], chain_size "

@@ -73,7 +73,7 @@ def test_bad_slots_and_votes_are_refused():
     with pytest.raises(ValueError, match="context_state_votes"):
         chain(states, votes=5000)
     with pytest.raises(IndexError, match="position"):
-        states.write(["r"], np.zeros(1, np.int64), np.array([16]), unit(0)[None])
+        states.native.write(np.zeros(1, np.int32), np.array([16]), unit(0)[None])
     with pytest.raises(ValueError, match="go together"):
         states.native.write(np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros((1, DIM + 1), np.float32))
 
@@ -89,6 +89,8 @@ def test_states_are_unit_vectors_freed_with_their_request_and_slots_reused():
     assert states.requests == 0 and states.memory_bytes == 0
     states.write(["c"], np.array([0]), np.array([5]), np.zeros((1, DIM), np.float32))  # a zero state stays unknown
     assert states.slots_of(["c"]).tolist() == [0] and not states.native.known(0, 5)
+    states.write(["c"], np.array([0]), np.array([64]), unit(0)[None])  # past every context: dropped
+    assert states.memory_bytes == 0
 
 
 class RecordedWrites(ContextStates):

@@ -4,7 +4,9 @@ REST's context source finds every recent earlier occurrence of the context's lon
 suffix; which one to continue decides how many of its tokens are accepted. With these states
 the kernel follows the occurrence whose last token was produced by the state nearest (cosine)
 the one that produced the context's last token: the model was "in the same place" there
-(``benchmarks/copy_ceiling.py --dense``: +4-9% tokens a step over the latest occurrence).
+(option ``context_state_votes``; ``benchmarks/copy_ceiling.py --dense``: +4-9% tokens a step of
+one chain over the latest occurrence, but none kept through the goodput budget on SmolLM2, see
+``benchmarks/results/README.md``).
 
 Each request holds a slot from its first recorded state until it finishes or is aborted; a
 slot's states grow with the request (unit vectors of the model's hidden size, float32) and are
@@ -28,6 +30,7 @@ class ContextStates:
 
     def __init__(self, dim: int, max_requests: int, max_positions: int) -> None:
         self._native = load_extension().ContextStates(int(dim), int(max_requests), int(max_positions))
+        self._max_positions = int(max_positions)
         self._slots: dict[str, int] = {}
         self._free = list(range(int(max_requests)))  # a heap: the lowest free slot first
 
@@ -47,7 +50,8 @@ class ContextStates:
 
     def write(self, req_ids: Sequence[str], rows: np.ndarray, positions: np.ndarray, states: np.ndarray) -> None:
         """Store ``states[i]`` as request ``req_ids[rows[i]]``'s state that produced its token at
-        ``positions[i]`` (requests past ``max_requests`` in flight keep none)."""
+        ``positions[i]`` (requests past ``max_requests`` in flight keep none, positions past
+        ``max_positions`` are dropped: no context reaches them)."""
         if not len(rows):
             return
         rows = np.asarray(rows, np.int64)
@@ -55,8 +59,9 @@ class ContextStates:
         for row in np.unique(rows).tolist():
             row_slots[row] = self._slot(req_ids[row])
         slots = row_slots[rows]
-        keep = slots >= 0
-        self._native.write(np.ascontiguousarray(slots[keep]), np.ascontiguousarray(positions[keep], np.int64),
+        positions = np.asarray(positions, np.int64)
+        keep = (slots >= 0) & (positions >= 0) & (positions < self._max_positions)
+        self._native.write(np.ascontiguousarray(slots[keep]), np.ascontiguousarray(positions[keep]),
                            np.ascontiguousarray(states[keep], np.float32))
 
     def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:

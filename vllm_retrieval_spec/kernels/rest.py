@@ -160,7 +160,7 @@ def rest_retrieve(
     ``context_states`` (the ``native`` of a
     :class:`~vllm_retrieval_spec.datastores.context_states.ContextStates` and each requested row's
     slot in it, -1: none) the context occurrence whose last token's producing state is nearest the
-    context's last token's counts as much again as all of them. ``num_threads`` caps the threads
+    context's last token's counts ``params.context_state_votes`` times. ``num_threads`` caps the threads
     (0: one per core); small batches run on one."""
     ext = load_extension()
     shards = _drafting_store(store)
