@@ -119,6 +119,7 @@ class RecordingSession:
         self.step_req_ids = req_ids
         self.budget = budget
         self.output_index = None
+        self.context_states = None
         self.step_samples = None if samples is None else np.array(samples)
         self.step_speculates = None
         self.trees = {}
