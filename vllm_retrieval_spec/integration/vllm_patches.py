@@ -323,7 +323,7 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
                                            batch.num_tokens_no_spec[: batch.num_reqs])
             if session.context_states is not None:
                 scheduled = scheduler_output.num_scheduled_tokens
-                session.keep_prompt_states(hidden_states, np.fromiter(map(scheduled.__getitem__, batch.req_ids),
+                session.keep_prompt_states(hidden_states, np.fromiter((scheduled.get(r, 0) for r in batch.req_ids),
                                                                       np.int64, batch.num_reqs),
                                            batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64), drafts)
             try:
