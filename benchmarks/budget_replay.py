@@ -45,6 +45,7 @@ configure_vllm_environment(in_process=True)
 import numpy as np  # noqa: E402
 
 from vllm_retrieval_spec.datastores.context_states import ContextStates  # noqa: E402
+from vllm_retrieval_spec.datastores.dense_builder import last_hidden_states, load_target_model  # noqa: E402
 from vllm_retrieval_spec.datastores.format import DatastoreError  # noqa: E402
 from vllm_retrieval_spec.datastores.live_index import LiveIndex  # noqa: E402
 from vllm_retrieval_spec.datastores.output_index import OutputIndex  # noqa: E402
@@ -269,10 +270,9 @@ class TraceStates:
 
     def __init__(self, model_path: Path, traces: list[GreedyTrace]) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         self._torch = torch
-        self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self._model = load_target_model(model_path)
         self.dim = int(self._model.config.hidden_size)
         self.max_positions = max(len(trace.prompt_ids) + len(trace.output_ids) for trace in traces)
         self._states: dict[int, np.ndarray] = {}
@@ -281,9 +281,8 @@ class TraceStates:
         key = id(trace)
         if key not in self._states:
             tokens = self._torch.tensor([list(trace.prompt_ids) + list(trace.output_ids)])
-            with self._torch.no_grad():
-                hidden = self._model(tokens, output_hidden_states=True).hidden_states[-1][0, :-1]
-            self._states[key] = hidden.numpy()
+            with self._torch.inference_mode():
+                self._states[key] = last_hidden_states(self._model, tokens)[0, :-1].numpy()
         return self._states[key]
 
 
