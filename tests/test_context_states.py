@@ -121,12 +121,16 @@ def test_the_session_records_the_state_that_produced_every_prompt_and_sampled_to
     assert session.context_states.requests == 0
 
 
+def failing_write(*_: object) -> None:
+    raise RuntimeError("no room")
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_rest_with_context_states_is_lossless_and_keeps_a_plain_forwards_states(tree, model_dir, code_store,
                                                                                e2e_prompts, baseline_runs):
     """Greedy identity at batch 1 and 8 in flight; every state kept for a request is the one a plain
     transformers forward of its tokens gives at the position before, and it is freed once the
-    request finishes."""
+    request finishes; a recording that fails is a drafting failure, not the engine's."""
     options = {"datastore": str(code_store), "context_state_votes": 4, "tree": tree}
     spec = EngineSpec(model_dir, {"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 16 if tree
                                   else 8}, {"retrieval_spec": options}, max_num_seqs=8)
@@ -148,10 +152,14 @@ def test_rest_with_context_states_is_lossless_and_keeps_a_plain_forwards_states(
         (fresh,) = written
         generate(llm, ["print("], 2, concurrency=1)  # the runner hears of a finished request at its next step
         assert states.slots_of([fresh]).tolist() == [-1] and states.requests <= 1
+        assert drafter.stats.failures == 0, drafter.stats.last_error
+        states.write = failing_write
+        broken = generate_both_ways(llm, e2e_prompts)  # recording fails every step: drafting's failure
+        assert drafter.stats.failures > 0 and "RuntimeError: no room" in drafter.stats.last_error
     for mode, run in runs.items():
         assert_same_token_ids(baseline_runs[mode], run)
+        assert_same_token_ids(baseline_runs[mode], broken[mode])
         assert run.counters.accepted_tokens > 0, mode
-    assert drafter.stats.failures == 0, drafter.stats.last_error
     record = finished.records[0]
     ids = record.prompt_ids + record.output_ids
     kept = written[fresh]

@@ -309,6 +309,18 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
 
     reads_hidden_states = drafter.needs_hidden_states() or session.context_states is not None
 
+    def keep_states(scheduler_output, sampled_token_ids, hidden_states, sample_hidden_states, drafts) -> None:
+        """The step's hidden states into the session: the sampled tokens' producers and, for
+        context states, every prompt token's."""
+        batch = runner.input_batch
+        session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids,
+                                   batch.num_tokens_no_spec[: batch.num_reqs])
+        if session.context_states is not None:
+            scheduled = scheduler_output.num_scheduled_tokens
+            session.keep_prompt_states(hidden_states, np.fromiter((scheduled.get(r, 0) for r in batch.req_ids),
+                                                                  np.int64, batch.num_reqs),
+                                       batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64), drafts)
+
     def begin_step(original: Callable) -> Callable:
         # vLLM 0.32/0.33: (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
         # sample_hidden_states, aux_hidden_states, spec_decode_metadata, ...)
@@ -319,13 +331,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
             session.begin_step(batch.req_ids, scheduler_output.total_num_scheduled_tokens,
                                batch.temperature_cpu[: batch.num_reqs] > 0, sum(drafts or ()))
             if reads_hidden_states:
-                session.keep_hidden_states(sample_hidden_states, drafts, sampled_token_ids,
-                                           batch.num_tokens_no_spec[: batch.num_reqs])
-            if session.context_states is not None:
-                scheduled = scheduler_output.num_scheduled_tokens
-                session.keep_prompt_states(hidden_states, np.fromiter((scheduled.get(r, 0) for r in batch.req_ids),
-                                                                      np.int64, batch.num_reqs),
-                                           batch.num_computed_tokens_cpu[: batch.num_reqs].astype(np.int64), drafts)
+                drafter.guarded(lambda: keep_states(scheduler_output, sampled_token_ids, hidden_states,
+                                                    sample_hidden_states, drafts))
             try:
                 return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -326,6 +326,15 @@ class DraftProposer(abc.ABC):
         return DraftBatch(token_ids=token_ids, num_tokens=num_tokens, rows=rows,
                           budgets=budgets[rows].astype(np.int32),
                           trees=self.candidate_tree_size() > 0 and self.session is not None)
+
+    def guarded(self, step: Callable[[], None]) -> None:
+        """Run ``step``, work done for later drafts outside :meth:`propose` (the runner hook
+        recording the step's hidden states); its failure counts as a failed drafting step
+        instead of stopping the engine."""
+        try:
+            step()
+        except Exception as error:  # a drafting bug must never take the server down
+            self._record_failure(error)
 
     def _record_failure(self, error: Exception) -> None:
         """Count a failed step; log the first with its traceback and warn every
