@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tree_attention import median_ms
 
 from vllm_retrieval_spec.kernels.tree import AcceptRule, RowSampling, TreeBatch, accept_trees, pack_tree_masks
 from vllm_retrieval_spec.kernels.tree_reference import accept_trees_reference, pack_tree_masks_reference
@@ -82,21 +83,7 @@ def as_numpy(inputs: dict) -> dict:
 
 def time_call(fn: Callable[[], object], device: str, repeats: int) -> float:
     """Median microseconds per call after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e6)
-    return float(np.median(times))
+    return median_ms(fn, repeats, device) * 1e3
 
 
 def time_reference(fn: Callable[[], object]) -> tuple[float, object]:
