@@ -77,17 +77,20 @@ int device_count() {
 // Runs n_items items through parallel_for (one work unit each); returns the hash of the
 // thread that ran each item. Item fail_at throws; each item spins for busy_ns.
 std::vector<uint64_t> thread_pool_probe(int64_t n_items, int num_threads, int64_t grain,
-                                        int64_t fail_at, int64_t busy_ns) {
+                                        int64_t fail_at, int64_t busy_ns, bool on_team) {
   if (n_items < 0) throw std::invalid_argument("n_items must be >= 0");
   std::vector<uint64_t> ran_on(static_cast<size_t>(n_items));
   nb::gil_scoped_release release;
-  vrs::parallel_for(n_items, vrs::ThreadPlan{num_threads, n_items, grain}, [&](int64_t i) {
+  const vrs::ThreadPlan plan{num_threads, n_items, grain};
+  const auto item = [&](int64_t i) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(busy_ns);
     while (std::chrono::steady_clock::now() < until) {
     }
     if (i == fail_at) throw std::runtime_error("thread_pool_probe: item " + std::to_string(i));
     ran_on[i] = std::hash<std::thread::id>{}(std::this_thread::get_id());
-  });
+  };
+  if (on_team) vrs::team_parallel_for(n_items, plan, item);
+  else vrs::parallel_for(n_items, plan, item);
   return ran_on;
 }
 
@@ -130,10 +133,11 @@ NB_MODULE(_C, m) {
   m.def("available_cores", &vrs::available_cores,
         "Cores this process may run on (its CPU affinity): the threads num_threads=0 allows.");
   m.def("thread_pool_probe", &thread_pool_probe, nb::arg("n_items"), nb::arg("num_threads") = 0,
-        nb::arg("grain") = 1, nb::arg("fail_at") = -1, nb::arg("busy_ns") = 0,
+        nb::arg("grain") = 1, nb::arg("fail_at") = -1, nb::arg("busy_ns") = 0, nb::arg("on_team") = false,
         "Diagnostics of the kernels' thread pool: runs n_items items (one work unit each, "
         "`grain` units worth a thread), each spinning busy_ns, item fail_at raising "
-        "RuntimeError; returns the hash of the thread that ran each item.");
+        "RuntimeError, on the pool or (on_team) on torch's OpenMP team; returns the hash of the "
+        "thread that ran each item.");
   m.def("skinny_gemm", &skinny_gemm, nb::arg("x"), nb::arg("weight"), nb::arg("bias"), nb::arg("out"),
         nb::arg("rows"), nb::arg("in_features"), nb::arg("out_features"),
         "out = x @ weight.T (+ bias) for float32 CPU buffers given by address (bias 0: none): x [rows, "

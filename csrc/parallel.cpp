@@ -121,6 +121,8 @@ struct OpenMpTeam {
 
 }  // namespace
 
+bool has_omp_team() { return OpenMpTeam::get().parallel != nullptr; }
+
 int omp_team_threads() {
   const OpenMpTeam& team = OpenMpTeam::get();
   return team.parallel ? std::max(1, team.max_threads()) : 1;

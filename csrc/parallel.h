@@ -39,9 +39,12 @@ struct ThreadPlan {
 // a nested call): the caller then runs alone.
 bool run_on_pool(int participants, void (*task)(void*) noexcept, void* context);
 
-// torch's OpenMP team (libgomp, looked up among the libraries already loaded): its size, or 1
-// without one. Kernels that run between torch's operators use it rather than the pool: its
-// threads spin a while after each operator, so a second set of threads would wait for the cores.
+// Whether torch's OpenMP team (libgomp, looked up among the libraries already loaded) is there.
+bool has_omp_team();
+
+// torch's OpenMP team: its size, or 1 without one. Kernels that run between torch's operators
+// use it rather than the pool: its threads spin a while after each operator, so a second set of
+// threads would wait for the cores.
 int omp_team_threads();
 
 // Runs task(context) on `threads` members of torch's OpenMP team (the caller one of them);
@@ -103,16 +106,17 @@ void parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
 }
 
 // parallel_for on torch's OpenMP team (plan's threads, at most the team's size) where there is
-// one, else on the pool.
+// one, else on the pool. A team of one thread (torch.set_num_threads(1)) runs it on the caller.
 // (The team's size, not this thread's affinity, bounds it: vLLM's CPU worker pins each member of
 // the team to one core, the calling thread included.)
 template <typename Fn>
 void team_parallel_for(int64_t n_items, const ThreadPlan& plan, Fn&& fn) {
+  if (!has_omp_team()) return parallel_for(n_items, plan, fn);
   const int team = omp_team_threads();
   const ThreadPlan on_team{plan.max_threads > 0 ? std::min(plan.max_threads, team) : team, plan.work, plan.grain};
   const int threads = on_team.threads(n_items);
   if (threads > 1 && detail::run_shared(n_items, threads, fn, run_on_omp_team)) return;
-  parallel_for(n_items, plan, fn);
+  for (int64_t i = 0; i < n_items; ++i) fn(i);
 }
 
 }  // namespace vrs

@@ -79,6 +79,38 @@ def test_a_forked_child_gets_a_working_pool():
     assert child.exitcode == 0 and queue.get(timeout=1) == 64
 
 
+def _team_probe_in_child(torch_threads: int, queue) -> None:
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    torch.ones(64, 64) @ torch.ones(64, 64)  # torch's OpenMP team exists
+    ran_on = _C.thread_pool_probe(64, num_threads=0, busy_ns=500_000, on_team=True)
+    queue.put((len(set(ran_on)), ran_on[0] == calling_thread()))
+
+
+def team_probe(torch_threads: int) -> tuple[int, bool]:
+    """(threads used, whether the caller was one) by a probe on torch's team in a fresh process."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_team_probe_in_child, args=(torch_threads, queue))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    return queue.get(timeout=1)
+
+
+@MULTI_CORE
+def test_a_one_thread_torch_team_keeps_team_kernels_on_the_calling_thread():
+    assert team_probe(1) == (1, True)
+
+
+@MULTI_CORE
+def test_team_kernels_use_up_to_torchs_threads():
+    # A team member the scheduler wakes too late still takes items: the team waits for all.
+    threads, _ = team_probe(2)
+    assert threads == 2
+
+
 # ---- kernels: every thread count gives the single-threaded result ----------------------------
 
 
