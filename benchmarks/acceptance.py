@@ -27,6 +27,10 @@ ratios of 1–5% become measurable (within a group the requests in flight fall f
 ``--concurrency`` as they finish, the same for every config). Each config's ratio to ``suffix``
 then gets a 95% bootstrap interval, the groups resampled together (tokens/s) and the requests
 resampled together (the honest figure): ``speedup_vs_suffix_ci95``, ``honest_vs_suffix_ci95``.
+Every run also records the CPU time the hypervisor took from the machine meanwhile (``steal`` in
+``/proc/stat``; ``stolen_cpu_seconds``, per group ``group_stolen_cpu_seconds``), and the table
+names each config that lost 1% or more of its CPU time that way, with its worst group: a shared
+VM's stalls fall on whichever engines run then.
 
 ``--prefill`` also times each engine prefilling the prompts alone (``max_tokens`` 1, its prefix
 cache emptied first; in the same interleaved groups), work every config does alike and no
@@ -430,7 +434,8 @@ def balanced_orders(count: int) -> list[list[int]]:
 def joined(runs: list[GenerationRun]) -> GenerationRun:
     """Consecutive runs over consecutive prompts as one run."""
     return GenerationRun([record for run in runs for record in run.records],
-                         sum((run.counters for run in runs), SpecDecodeCounters()), sum(run.seconds for run in runs))
+                         sum((run.counters for run in runs), SpecDecodeCounters()), sum(run.seconds for run in runs),
+                         sum(run.stolen_seconds for run in runs))
 
 
 def config_result(name: str, config: dict, runs: list[GenerationRun], budget: dict | None,
@@ -458,6 +463,8 @@ def config_result(name: str, config: dict, runs: list[GenerationRun], budget: di
         **intervals(runs),
         "group_generated_tokens": None if groups is None else [run.generated_tokens for run in groups],
         "group_seconds": None if groups is None else [run.seconds for run in groups],
+        "stolen_cpu_seconds": sum(run.stolen_seconds for run in runs),
+        "group_stolen_cpu_seconds": None if groups is None else [run.stolen_seconds for run in groups],
         "request_generated_tokens": [len(r.output_ids) for r in records],
         "request_decode_steps": [r.decode_steps for r in records],
         "budget": budget,
@@ -680,12 +687,30 @@ def print_table(report: dict) -> None:
         if error and error["steps"]:
             print(f"{r['config']:22s} step cost learned: recent decode steps predicted within "
                   f"{error['mean_absolute']:.1%}, bias {error['bias']:+.1%} (over 0: priced dearer than they ran)")
+    print_stolen_time(report)
     for r in report["results"]:
         if r.get("prefill_seconds") is not None:
             ratio = r["speedup_vs_suffix_beyond_prefill"]
             vs_suffix = f", {ratio:.2f}x suffix" if ratio else ""
             print(f"{r['config']:22s} prefill alone {r['prefill_seconds']:.1f} of {r['seconds']:.1f} s; beyond it "
                   f"{r['tokens_per_second_beyond_prefill']:.1f} tok/s{vs_suffix}")
+
+
+def print_stolen_time(report: dict, notable: float = 0.01) -> None:
+    """Each config whose runs lost at least ``notable`` of the machine's CPU time to the
+    hypervisor (a shared VM's stalls fall on whichever engine runs then), with its worst group."""
+    cores = report["processor_count"] or 1
+    for r in report["results"]:
+        share = r.get("stolen_cpu_seconds", 0.0) / (r["seconds"] * cores)
+        if share < notable:
+            continue
+        worst = ""
+        if r.get("group_stolen_cpu_seconds"):
+            shares = [stolen / (seconds * cores)
+                      for stolen, seconds in zip(r["group_stolen_cpu_seconds"], r["group_seconds"])]
+            group = int(np.argmax(shares))
+            worst = f"; most in group {group + 1} ({shares[group]:.0%} of its {r['group_seconds'][group]:.1f} s)"
+        print(f"{r['config']:22s} the hypervisor took {share:.1%} of the CPU time of its runs{worst}")
 
 
 def _number(value: float | None, digits: int) -> str:

@@ -136,3 +136,19 @@ def test_the_default_datastore_is_built_only_for_configs_that_draft_from_it(monk
     args.option = [("datastore", str(tmp_path / "store"))]
     acceptance.ensure_recipe_datastores(tmp_path, ["rest_k32"], args)
     assert len(built) == 1
+
+
+def test_stolen_cpu_time_is_read_and_named_where_it_is_notable(capsys):
+    from vllm_retrieval_spec.evaluation.engine import stolen_cpu_seconds
+
+    acceptance = load_benchmark("acceptance")
+    first = stolen_cpu_seconds()
+    assert 0.0 <= first <= stolen_cpu_seconds()
+    calm = {"config": "none", "seconds": 10.0, "stolen_cpu_seconds": 0.1,
+            "group_seconds": [5.0, 5.0], "group_stolen_cpu_seconds": [0.1, 0.0]}
+    stalled = {"config": "rest_k32", "seconds": 10.0, "stolen_cpu_seconds": 3.0,
+               "group_seconds": [4.0, 6.0], "group_stolen_cpu_seconds": [0.2, 2.8]}
+    acceptance.print_stolen_time({"processor_count": 2, "results": [calm, stalled]})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rest_k32")
+    assert "15.0% of the CPU time" in lines[0] and "group 2 (23% of its 6.0 s)" in lines[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -108,13 +109,25 @@ def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
     return SpecDecodeCounters(*llm.vrs_spec_decode_totals)
 
 
+def stolen_cpu_seconds() -> float:
+    """CPU time the hypervisor has given to others so far, all of this machine's CPUs together
+    (``steal`` in ``/proc/stat``; 0 where the kernel does not report it)."""
+    try:
+        with open("/proc/stat") as stat:
+            return int(stat.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 @dataclass(frozen=True)
 class GenerationRun:
-    """Records in prompt order, the counters' change over the run, and its wall time."""
+    """Records in prompt order, the counters' change over the run, its wall time, and the CPU time
+    the hypervisor took from the machine meanwhile (a stall on a shared VM, not the engine's)."""
 
     records: list[GenerationRecord]
     counters: SpecDecodeCounters
     seconds: float
+    stolen_seconds: float = 0.0
 
     @property
     def generated_tokens(self) -> int:
@@ -158,6 +171,7 @@ def generate(
     by_id: dict[str, dict[str, Any]] = {}
     in_flight = 0
     before = spec_decode_counters(llm)
+    stolen_before = stolen_cpu_seconds()
     start = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
@@ -181,4 +195,4 @@ def generate(
     records = [
         GenerationRecord(s["prompt_ids"] or [], s["output"], max(s["steps"] - 1, 0)) for s in ordered
     ]
-    return GenerationRun(records, spec_decode_counters(llm) - before, seconds)
+    return GenerationRun(records, spec_decode_counters(llm) - before, seconds, stolen_cpu_seconds() - stolen_before)
