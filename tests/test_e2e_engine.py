@@ -70,9 +70,16 @@ def norm_kinds(llm) -> set[str]:
             if type(module).__name__ == "RMSNorm"}
 
 
+def decoder_layer_kinds(llm) -> set[str]:
+    """The types of the model's Llama decoder layers' forwards (vLLM's bound methods, or our LeanLlamaLayer)."""
+    return {type(module.forward).__name__ for module in model_runner_of(llm).model.modules()
+            if type(module).__name__ == "LlamaDecoderLayer"}
+
+
 def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts, baseline_runs):
     """With the default options, so every layer of the float32 model runs the skinny GEMM on
-    steps of up to cpu_gemm_max_rows rows (x86 with AVX2) and greedy steps run the screened head."""
+    steps of up to cpu_gemm_max_rows rows (x86 with AVX2), greedy steps run the screened head and
+    every decoder layer runs as one function (cpu_lean_layers)."""
     import vllm.model_executor.layers.utils as layer_utils
 
     vllm_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
@@ -80,6 +87,7 @@ def test_rest_is_lossless_and_accepts_tokens(model_dir, code_store, e2e_prompts,
     with running_engine(speculative(model_dir, "vllm_retrieval_spec.RestProposer", options)) as llm:
         if pays_on_this_cpu():
             assert linear_kinds(llm) == {"SkinnyLinear", "ScreenedHead"}
+            assert decoder_layer_kinds(llm) == {"LeanLlamaLayer"}
         assert layer_utils.dispatch_cpu_unquantized_gemm is vllm_dispatch  # other engines keep vLLM's
         runs = generate_both_ways(llm, e2e_prompts)
         drafter = drafter_of(llm)
@@ -205,6 +213,8 @@ def test_engines_in_one_process_each_own_their_session(model_dir, code_store, e2
             if step_attention and not tree:  # chain steps: the whole eager layer in one kernel call
                 assert kernel.whole_layer_calls > 0
             assert norm_kinds(llm) == ({"FusedRMSNorm"} if step_attention else {"method"})
+            lean = tree and step_attention and pays_on_this_cpu()  # needs the skinny GEMM and the fused norms
+            assert decoder_layer_kinds(llm) == ({"LeanLlamaLayer"} if lean else {"method"})
         assert [r.output_ids for r in run.records] == [r.output_ids for r in expected.records[:6]], f"tree={tree}"
     first, chain, last = sessions
     assert first is not last and first.tree_mode and last.tree_mode and not chain.tree_mode

@@ -123,6 +123,22 @@ PATCH_SURFACE: tuple[VllmSymbol, ...] = (
     VllmSymbol("vllm.model_executor.layers.layernorm", "RMSNorm", CLASS, platform="cpu"),
     *_many("vllm.model_executor.layers.layernorm", "RMSNorm", INSTANCE,
            "_forward_method weight variance_epsilon variance_size_override has_weight", "cpu"),
+    # lean Llama layers (kernels/lean_layer.py): each eager LlamaDecoderLayer's forward, replaced per
+    # instance by one that calls what its parts' forwards end in
+    *(VllmSymbol("vllm.model_executor.models.llama", name, CLASS, platform="cpu")
+      for name in ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")),
+    VllmSymbol("vllm.model_executor.models.llama", "LlamaDecoderLayer.forward",
+               params=("positions", "hidden_states", "residual"), platform="cpu"),
+    *_many("vllm.model_executor.models.llama", "LlamaDecoderLayer", INSTANCE,
+           "self_attn mlp input_layernorm post_attention_layernorm", "cpu"),
+    *_many("vllm.model_executor.models.llama", "LlamaAttention", INSTANCE,
+           "qkv_proj o_proj rotary_emb attn q_size kv_size", "cpu"),
+    *_many("vllm.model_executor.models.llama", "LlamaMLP", INSTANCE, "gate_up_proj down_proj act_fn", "cpu"),
+    VllmSymbol("vllm.model_executor.custom_op", "CustomOp", CLASS, platform="cpu"),
+    VllmSymbol("vllm.model_executor.custom_op", "CustomOp.forward", platform="cpu"),
+    VllmSymbol("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", CLASS, platform="cpu"),
+    VllmSymbol("vllm.model_executor.layers.fusion.quant_activation", "get_input_quant_key", params=("layer",),
+               platform="cpu"),
     # tree attention: every layer's backend forward, its KV cache metadata, the layer types
     *(VllmSymbol(module, f"{impl}.forward", params=_ATTENTION_FORWARD, platform=platform)
       for module, impl, _, platform in _ATTENTION_BACKENDS),

@@ -40,6 +40,7 @@ from vllm_retrieval_spec.integration.patch_surface import (
 )
 from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.kernels.fused_norm import FusedRMSNorm, fused_kernels_available
+from vllm_retrieval_spec.kernels.lean_layer import LeanLlamaLayer
 from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, ScreenedHead, SkinnyLinear, pays_on_this_cpu
 from vllm_retrieval_spec.options import RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
@@ -353,6 +354,8 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
         _install_skinny_gemm(runner, rows, screened_head=options.cpu_screened_head)
     if options.cpu_fused_norms and runner.device.type == "cpu":
         _install_fused_norms(runner)
+        if rows and options.cpu_lean_layers:
+            _install_lean_layers(runner)
     _install_sampler(runner, session, options.candidate_replacement)
     if rows and options.cpu_screened_head:
         _arm_screened_head(runner, session)
@@ -610,6 +613,79 @@ def _install_fused_norms(runner: GPUModelRunner) -> None:
                     len(fused), len(norms))
 
     _after_model_loads(runner, fuse_norms)
+
+
+# The forwards LeanLlamaLayer replicates, by the SHA-256 of their source (its first 16 hex digits) in
+# vLLM 0.32.0 and 0.33.0 (the same in both); any other source keeps vLLM's forward.
+_LEAN_LLAMA_SOURCES = {
+    "LlamaDecoderLayer.forward": ("ab84e40134637a42",),
+    "LlamaAttention.forward": ("a0f9f508aa380b8b",),
+    "LlamaMLP.forward": ("e6a68f19bb91d792",),
+}
+
+
+def _install_lean_layers(runner: GPUModelRunner) -> None:
+    """Once the model is loaded (and its norms fused), every eager Llama decoder layer whose parts
+    all run the plugin's or vLLM's CPU kernels runs :class:`LeanLlamaLayer` as its forward; any
+    other layer, and every layer of a vLLM whose Llama forwards differ from the ones it replicates,
+    keeps vLLM's."""
+    from vllm.config import CompilationMode
+
+    if runner.compilation_config.mode != CompilationMode.NONE:
+        logger.info("retrieval_spec.cpu_lean_layers: the model is compiled; vLLM's decoder layers run")
+        return
+
+    def lean_layers() -> None:
+        from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+        layers = [module for module in runner.get_model().modules() if type(module) is LlamaDecoderLayer]
+        if layers and not _llama_forwards_replicated():
+            logger.info("retrieval_spec.cpu_lean_layers: vLLM %s's Llama forwards are not the ones the lean layer "
+                        "replicates; vLLM's decoder layers run", vllm_version())
+            return
+        lean = [layer for layer in layers if _runs_lean(layer)]
+        for layer in lean:
+            layer.forward = LeanLlamaLayer(layer)
+        if layers:
+            logger.info("retrieval_spec.cpu_lean_layers: %d of %d Llama decoder layers run as one Python function",
+                        len(lean), len(layers))
+
+    _after_model_loads(runner, lean_layers)
+
+
+def _llama_forwards_replicated() -> bool:
+    """Whether this vLLM's Llama forwards are those :data:`_LEAN_LLAMA_SOURCES` names."""
+    import hashlib
+    import inspect
+
+    from vllm.model_executor.models import llama
+
+    def digest(qualified: str) -> str:
+        owner, name = qualified.split(".")
+        return hashlib.sha256(inspect.getsource(getattr(getattr(llama, owner), name)).encode()).hexdigest()[:16]
+
+    return all(digest(qualified) in known for qualified, known in _LEAN_LLAMA_SOURCES.items())
+
+
+def _runs_lean(layer: torch.nn.Module) -> bool:
+    """Whether a loaded ``LlamaDecoderLayer``'s attention and MLP are Llama's own, its linear layers
+    unquantized, its norms, rotary embedding and activation dispatched as every ``CustomOp`` is, the
+    activation's input quantization not fused, and :meth:`LeanLlamaLayer.accepts` it."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.fusion.quant_activation import get_input_quant_key
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
+
+    require_instance_attributes(vllm_version(), {"LlamaDecoderLayer": layer})
+    attention, mlp = layer.self_attn, layer.mlp
+    if type(attention) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return False
+    require_instance_attributes(vllm_version(), {"LlamaAttention": attention, "LlamaMLP": mlp})
+    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    ops = (layer.input_layernorm, layer.post_attention_layernorm, attention.rotary_emb, mlp.act_fn)
+    return (all(type(linear.quant_method) is UnquantizedLinearMethod for linear in linears)
+            and all(isinstance(op, CustomOp) and type(op).forward is CustomOp.forward for op in ops)
+            and get_input_quant_key(mlp.down_proj) is None and LeanLlamaLayer.accepts(layer))
 
 
 def _after_model_loads(runner: GPUModelRunner, install: Callable[[], None]) -> None:
