@@ -199,6 +199,8 @@ CONFIGS: dict[str, dict] = {
     "rest_k32_vllm_gemm": _ours("RestProposer", 32, cpu_gemm_max_rows=0),
     # The full language-model head on every step instead of the screened one (cpu_screened_head, default on).
     "rest_k32_full_head": _ours("RestProposer", 32, cpu_screened_head=False),
+    # vLLM's own decoder-layer forwards instead of the lean ones (cpu_lean_layers, default on).
+    "rest_k32_vllm_layers": _ours("RestProposer", 32, cpu_lean_layers=False),
     # ... and the skinny GEMM up to 32 rows named whatever the default, 48 or 96 (8 in flight drafting up to 3, 5
     # or 11 tokens each stay on it).
     **{f"rest_k32_gemm{rows}": _ours("RestProposer", 32, cpu_gemm_max_rows=rows) for rows in (32, 48, 96)},
