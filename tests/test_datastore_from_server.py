@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -18,7 +19,9 @@ from vllm_retrieval_spec.datastores import TokenDatastore, from_server
 from vllm_retrieval_spec.datastores.builder import load_tokenizer
 from vllm_retrieval_spec.datastores.dense import DenseDatastore
 from vllm_retrieval_spec.datastores.from_server import AskSettings, answered, collect_transcripts, read_prompt_file
+from vllm_retrieval_spec.evaluation import capture
 from vllm_retrieval_spec.evaluation.server import free_port
+from vllm_retrieval_spec.paths import CACHE_ENV
 
 PROMPTS = [{"prompt": "def add(a, b):\n"}, {"messages": [{"role": "user", "content": "Say hi."}]},
            {"prompt": "def sub(a, b):\n"}]
@@ -129,9 +132,9 @@ def test_a_bad_prompt_line_is_named(tmp_path, line, message):
         read_prompt_file(path)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_retrieval_spec.cli", "datastore", "from-server", *args],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
 def test_an_unreachable_server_is_one_line_naming_the_url(model_dir, prompt_file, tmp_path):
@@ -204,3 +207,28 @@ def test_a_capture_that_could_lose_positions_is_refused_before_any_server_starts
                "--concurrency", "256", "--max-tokens", "512")
     assert done.returncode == 2 and "--concurrency 256 x --max-tokens" in done.stderr
     assert "Traceback" not in done.stderr and "starting" not in done.stdout and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ("python-code-dense", "the 'python-code-dense' dense datastore for model 'SmolLM2-135M-Instruct-f32-"),
+    ("./no-such-dense-store", "--dense-keys ./no-such-dense-store: no dense datastore there"),
+])
+def test_capture_keys_that_are_not_there_are_named_before_any_server_starts(model_dir, prompt_file, tmp_path, keys,
+                                                                            message):
+    """A capture whose ``--dense-keys`` store is not built (the default recipe on a fresh cache) or
+    not a directory fails with one line naming it (and the build command), and starts no server."""
+    done = cli("--prompts", str(prompt_file), "--out", str(tmp_path / "s"), "--model", str(model_dir), "--dense",
+               "--dense-keys", keys, env={CACHE_ENV: str(tmp_path / "cache")})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout and not (tmp_path / "s").exists()
+    if keys == "python-code-dense":
+        assert "`vllm-retrieval-spec datastore build-dense --recipe python-code-dense --model MODEL_DIR`" in done.stderr
+
+
+def test_a_server_that_refuses_to_start_is_reported_by_its_refusal_line():
+    """The reason a started server exited is its own one-line refusal, not the exit code."""
+    tail = ("the server exited with code 2\nINFO loading\n"
+            "vllm-retrieval-spec: error: the 'x' dense datastore is not built yet\nValueError: later")
+    assert capture._first_error_line(tail) == "vllm-retrieval-spec: error: the 'x' dense datastore is not built yet"
+    assert capture._first_error_line("exited\nRuntimeError: boom") == "RuntimeError: boom"
+    assert capture._first_error_line("the server exited with code 1\n") == "the server exited with code 1"

@@ -28,6 +28,20 @@ def check_capture_fits(concurrency: int, answer_tokens: int) -> None:
                          "keeps waiting; lower either, or give --url to compute the keys with a forward pass")
 
 
+def _check_capture_keys(model: str | Path, dense_keys: str) -> None:
+    """Fail before the server starts when ``dense_keys`` (``--dense-keys``) is neither a directory
+    nor a dense recipe built for ``model`` (the error names the recipe's build command), where the
+    server would exit with the reason in its log."""
+    from vllm_retrieval_spec.datastores.dense import resolve_dense_datastore_dir
+    from vllm_retrieval_spec.datastores.dense_format import DenseDatastoreError
+    from vllm_retrieval_spec.storage import ModelIdentity
+
+    path = resolve_dense_datastore_dir(dense_keys, ModelIdentity.of(model))
+    if not path.is_dir():
+        raise DenseDatastoreError(f"--dense-keys {dense_keys}: no dense datastore there (a directory "
+                                  "`datastore build-dense` wrote, or a dense recipe's name)")
+
+
 @contextmanager
 def answering_server(model: str | Path, *, max_model_len: int, states: Path | None = None,
                      capacity: int = 0, dense_keys: str = "") -> Iterator[str]:
@@ -36,6 +50,7 @@ def answering_server(model: str | Path, *, max_model_len: int, states: Path | No
     ``capacity`` positions and saving them under ``states``."""
     speculative = additional = None
     if states is not None:
+        _check_capture_keys(model, dense_keys)
         speculative = {"model": "vllm_retrieval_spec.DReSDProposer", "num_speculative_tokens": CAPTURE_DRAFT_TOKENS}
         additional = {"retrieval_spec": {"dense_datastore": dense_keys, "dense_learned_path": str(states),
                                          "dense_learned_positions": min(max(capacity, 2), LEARNED_POSITIONS_MAX),
@@ -46,9 +61,17 @@ def answering_server(model: str | Path, *, max_model_len: int, states: Path | No
     try:
         server.start()
     except ServerError as error:
-        first = next((line for line in str(error).splitlines() if "Error" in line), str(error).splitlines()[0])
-        raise ValueError(f"the server did not start ({first.strip()}); see {server.log_path}") from error
+        reason = _first_error_line(str(error))
+        raise ValueError(f"the server did not start ({reason}); see {server.log_path}") from error
     try:
         yield server.base_url
     finally:
         server.stop(graceful_s=SNAPSHOT_STOP_SECONDS)
+
+
+def _first_error_line(message: str) -> str:
+    """The line of a server's exit message (its log's tail) that says why: a command-line refusal
+    (``PROG: error: ...``, ours or argparse's), else the first naming an ``Error``, else the first."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    refusal = next((line for line in lines if ": error: " in line), None)
+    return refusal or next((line for line in lines if "Error" in line), lines[0] if lines else message)
