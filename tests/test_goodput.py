@@ -273,6 +273,19 @@ def test_the_search_starts_once_its_steps_serve_faster_and_stops_when_they_no_lo
     assert not gate.searching and not gate.open()
 
 
+def test_the_search_does_not_start_on_gains_within_the_paired_steps_noise():
+    gate = SearchGate(SOURCE_DENSE)
+    generated = [7, 8, 9, 10, 11]
+    for _ in range(20):
+        feed(gate, [7, 8, 9, 10], [7, 1], generated, 1)  # the search's way accepts 3 tokens more
+        feed(gate, [7, 1], [7, 8, 9], generated, 1)  # and then 2 fewer
+    report = gate.report()
+    assert report["tokens_per_second_with_search"] > report["tokens_per_second_without"]
+    assert not gate.searching  # half a token a step more, but well within the steps' spread
+    feed(gate, [7, 8, 9, 10], [7, 8, 1], generated, 40)  # one token more, every step
+    assert gate.searching
+
+
 def test_the_search_pays_only_for_all_its_time():
     gate = SearchGate(SOURCE_DENSE)
     feed(gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], 20, seconds=(0.031, 0.03))

@@ -1,23 +1,27 @@
 """Whether an optional source's search pays for itself (Hybrid's dense search), on whole steps.
 
 ``HybridProposer`` searches its dense store (and the index learned from served traffic) on top of
-REST's sources. What the search costs is not only its time: its continuations also displace
-REST's own in the chains the budget keeps, and they change how many tokens a step verifies.
-Counting only the tokens accepted from nodes no other source drafted, a gate kept searching on
-code_edit while Hybrid served at 0.92-0.94x REST (results README, 2026-11-29, late night).
+REST's sources. What the search costs is not only its time: its continuations also displace REST's
+own in the chains the budget keeps, and they change how many tokens a step verifies. Counting only
+the tokens accepted from nodes no other source drafted, a gate kept searching on code_edit while
+Hybrid served at 0.92-0.94x REST (results README, 2026-11-29, late night).
 
 :class:`SearchGate` compares the two whole steps on the same states instead: one step in
 ``PAIR_EVERY_SEARCHING`` the proposer also drafts the other way (without the search while it
 searches; with it, one step in ``PAIR_EVERY_CLOSED``, while it does not), the budget chooses each
-way's chains as it would, and once the requests' next tokens are known, each way's step is worth
-the tokens its chains would have had accepted (their prefixes that match what the target
-generated) plus one a request, over the step's predicted time and its drafting time. The search
-starts stopped (Hybrid drafts what REST drafts until the search has shown it pays) and runs while
-its way's rate is at least the other's, over decaying sums of those paired steps (logged when that
-changes). The nodes of the way not sent that the optional sources drafted (alone or with others),
-in rows of greedy requests, feed the calibration as verified ones would (greedy verification
-accepts exactly the prefix the target generates): the dense sources' chances are learned before
-their nodes are ever sent, and the other sources' calibration stays what the sent nodes teach.
+way's chains as it would, and once the requests' next tokens are known, each way's step is worth the
+tokens its chains would have had accepted (their prefixes that match what the target generated) plus
+one a request, over the step's predicted time and its drafting time. The search starts stopped
+(Hybrid drafts what REST drafts until the search has shown it pays), starts once its way's rate is
+at least the other's with its extra accepted tokens ``START_Z`` standard errors clear of the paired
+steps' spread, and runs while its rate is at least the other's, over decaying sums of those paired
+steps (logged when that changes). Without that margin the gate started on noise: at 1 in flight on a
+fast VM it searched 72 steps that cost Hybrid 3% of REST's tokens a step before it stopped again
+(results README, 2026-12-04, evening). The nodes of the way not sent that the optional sources
+drafted (alone or with others), in rows of greedy requests, feed the calibration as verified ones
+would (greedy verification accepts exactly the prefix the target generates): the dense sources'
+chances are learned before their nodes are ever sent, and the other sources' calibration stays what
+the sent nodes teach.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ MIN_PAIRED_STEPS = 8  # paired steps judged before the search may start (it star
 PAIRED_DECAY = 0.97  # per judged paired step: the sums follow a changing workload
 MAX_WAIT_STEPS = 48  # steps a paired step waits for its requests' tokens before it is judged as far as they go
 MAX_PENDING = 64  # paired steps waiting at most (the oldest is dropped)
+START_Z = 1.64  # standard errors (one-sided 95%) the search's extra tokens must clear for it to start
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,12 @@ class SearchGate:
     searches: int = 0
     judged: int = 0  # paired steps judged
     searching: bool = False
+    pairing_seconds: float = 0.0  # spent drafting paired steps the way not sent
     _tokens: np.ndarray = field(default_factory=lambda: np.zeros(2))  # decaying, (with, without)
     _seconds: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    # Decaying moments of the paired steps' token differences (with - without): sum of weights,
+    # of weighted differences, of weighted squares, and of squared weights.
+    _moments: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _pending: list[PairedStep] = field(default_factory=list)
 
     def open(self) -> bool:
@@ -129,7 +138,7 @@ class SearchGate:
         """Counters and each way's rate over the paired steps (for benchmarks and operators)."""
         rates = self._rates().tolist()
         return {"steps": self.steps, "searches": self.searches, "paired_steps_judged": self.judged,
-                "searching": self.searching, "tokens_per_second_with_search": rates[0],
+                "pairing_seconds": self.pairing_seconds, "searching": self.searching, "tokens_per_second_with_search": rates[0],
                 "tokens_per_second_without": rates[1]}
 
     def _judge(self, paired: PairedStep, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
@@ -138,13 +147,18 @@ class SearchGate:
         starts, rows = paired.starts[present], rows[present]
         self._tokens *= PAIRED_DECAY
         self._seconds *= PAIRED_DECAY
+        tokens = np.zeros(2)
         for i, way in enumerate(paired.ways):
             observed, accepted = _outcomes(way.tokens[present], rows, starts, token_ids, num_tokens)
-            self._tokens[i] += paired.num_reqs + int(accepted.sum())
+            tokens[i] = paired.num_reqs + int(accepted.sum())
             self._seconds[i] += way.seconds
             if calibration is not None and i != paired.verified:
                 new = observed & ((way.source[present] & self.flags) != 0) & paired.greedy[present][:, None]
                 calibration.observe(way.bucket[present][new], way.chance[present][new], accepted[new])
+        self._tokens += tokens
+        difference = tokens[0] - tokens[1]
+        self._moments *= (PAIRED_DECAY, PAIRED_DECAY, PAIRED_DECAY, PAIRED_DECAY**2)
+        self._moments += (1.0, difference, difference**2, 1.0)
         self.judged += 1
         if self.judged >= MIN_PAIRED_STEPS:
             self._decide()
@@ -153,8 +167,16 @@ class SearchGate:
         """Tokens per second of the paired steps, (with the search, without)."""
         return self._tokens / np.maximum(self._seconds, 1e-12)
 
+    def _difference_error(self) -> float:
+        """Standard error of the decaying sum of the paired steps' token differences."""
+        weight, total, squares, square_weights = self._moments
+        variance = max(squares / weight - (total / weight) ** 2, 0.0)
+        return float(np.sqrt(variance * square_weights))
+
     def _decide(self) -> None:
         with_search, without = self._rates()
+        if not self.searching:  # to start, the search's extra tokens must clear their noise
+            with_search -= START_Z * self._difference_error() / max(self._seconds[0], 1e-12)
         searching = bool(with_search >= without)
         if searching != self.searching:
             self.searching = searching

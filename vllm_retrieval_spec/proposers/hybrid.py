@@ -68,3 +68,4 @@ class HybridProposer(UsesDenseSource, RestProposer):
         req_ids = [self.session.step_req_ids[row] for row in batch.rows.tolist()]
         self.gate.record(req_ids, batch.num_tokens[batch.rows], with_search, without, num_reqs, samples)
         self.aside_seconds = time.perf_counter() - start
+        self.gate.pairing_seconds += self.aside_seconds
