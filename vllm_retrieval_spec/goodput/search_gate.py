@@ -138,8 +138,8 @@ class SearchGate:
         """Counters and each way's rate over the paired steps (for benchmarks and operators)."""
         rates = self._rates().tolist()
         return {"steps": self.steps, "searches": self.searches, "paired_steps_judged": self.judged,
-                "pairing_seconds": self.pairing_seconds, "searching": self.searching, "tokens_per_second_with_search": rates[0],
-                "tokens_per_second_without": rates[1]}
+                "pairing_seconds": self.pairing_seconds, "searching": self.searching,
+                "tokens_per_second_with_search": rates[0], "tokens_per_second_without": rates[1]}
 
     def _judge(self, paired: PairedStep, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
                calibration: AcceptanceCalibration | None) -> None:
