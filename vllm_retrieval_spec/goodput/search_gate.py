@@ -20,8 +20,9 @@ fast VM it searched 72 steps that cost Hybrid 3% of REST's tokens a step before 
 (results README, 2026-12-04, evening). The nodes of the way not sent that the optional sources
 drafted (alone or with others), in rows of greedy requests, feed the calibration as verified ones
 would (greedy verification accepts exactly the prefix the target generates): the dense sources'
-chances are learned before their nodes are ever sent, and the other sources' calibration stays what
-the sent nodes teach.
+chances are learned before their nodes are ever sent, and the other sources' buckets stay what the
+sent nodes teach (their depth-0 counts still join the prior that every source's unseen buckets
+share by match length: ``fill_chance_table`` pools depth 0 over all sources).
 """
 
 from __future__ import annotations
