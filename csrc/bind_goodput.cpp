@@ -19,21 +19,31 @@ using Cpu = nb::device::cpu;
 template <typename T, size_t Dims>
 using CpuArray = nb::ndarray<const T, nb::ndim<Dims>, nb::c_contig, Cpu>;
 
+// Checks that `pool` gives each of `sources` source codes a pool below `pools`.
+void check_prior_pools(const int32_t* pool, size_t size, size_t sources, size_t pools) {
+  if (size != sources) throw std::invalid_argument("pool must have one entry per source code");
+  for (size_t s = 0; s < size; ++s)
+    if (pool[s] < 0 || static_cast<size_t>(pool[s]) >= pools)
+      throw std::invalid_argument("pool holds a pool outside first_accepted's rows");
+}
+
 vrs::ChainCalibration chain_calibration(const CpuArray<double, 4>& chances, const CpuArray<double, 4>& accepted,
-                                        const CpuArray<double, 4>& observed, const CpuArray<double, 1>& first_accepted,
-                                        const CpuArray<double, 1>& first_observed,
+                                        const CpuArray<double, 4>& observed, const CpuArray<double, 2>& first_accepted,
+                                        const CpuArray<double, 2>& first_observed, const CpuArray<int32_t, 1>& pool,
                                         const CpuArray<int32_t, 1>& length_bucket,
                                         const CpuArray<int32_t, 1>& depth_bucket, double strength,
                                         double raw_prior_scale, double min_chance, double max_chance) {
   for (size_t d = 0; d < 4; ++d)
     if (accepted.shape(d) != chances.shape(d) || observed.shape(d) != chances.shape(d) || chances.shape(d) == 0)
       throw std::invalid_argument("chances, accepted and observed must share one non-empty 4-d shape");
-  if (first_accepted.shape(0) != chances.shape(1) || first_observed.shape(0) != chances.shape(1))
-    throw std::invalid_argument("first_accepted and first_observed must have one entry per match-length bucket");
+  if (first_accepted.shape(1) != chances.shape(1) || first_observed.shape(1) != chances.shape(1) ||
+      first_observed.shape(0) != first_accepted.shape(0))
+    throw std::invalid_argument("first_accepted and first_observed must be [pools, match-length buckets]");
+  check_prior_pools(pool.data(), pool.shape(0), chances.shape(0), first_accepted.shape(0));
   check_bucket_lookup(length_bucket.data(), length_bucket.shape(0), chances.shape(1), "length_bucket",
                       "chances.shape[1]");
   check_bucket_lookup(depth_bucket.data(), depth_bucket.shape(0), chances.shape(2), "depth_bucket", "chances.shape[2]");
-  return {chances.data(), accepted.data(), observed.data(), first_accepted.data(), first_observed.data(),
+  return {chances.data(), accepted.data(), observed.data(), first_accepted.data(), first_observed.data(), pool.data(),
           length_bucket.data(), static_cast<int>(length_bucket.shape(0)), depth_bucket.data(),
           static_cast<int>(depth_bucket.shape(0)), static_cast<int>(chances.shape(0)),
           static_cast<int>(chances.shape(1)), static_cast<int>(chances.shape(2)), static_cast<int>(chances.shape(3)),
@@ -43,8 +53,9 @@ vrs::ChainCalibration chain_calibration(const CpuArray<double, 4>& chances, cons
 std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_chain_nodes(
     CpuArray<float, 2> prob, CpuArray<int8_t, 2> source, CpuArray<int32_t, 2> match_len, CpuArray<int32_t, 1> size,
     CpuArray<int32_t, 1> budgets, std::optional<CpuArray<bool, 1>> samples, int num_reqs, CpuArray<double, 4> chances,
-    CpuArray<double, 4> accepted, CpuArray<double, 4> observed, CpuArray<double, 1> first_accepted,
-    CpuArray<double, 1> first_observed, CpuArray<int32_t, 1> length_bucket, CpuArray<int32_t, 1> depth_bucket,
+    CpuArray<double, 4> accepted, CpuArray<double, 4> observed, CpuArray<double, 2> first_accepted,
+    CpuArray<double, 2> first_observed, CpuArray<int32_t, 1> pool, CpuArray<int32_t, 1> length_bucket,
+    CpuArray<int32_t, 1> depth_bucket,
     double strength, double raw_prior_scale, double min_chance, double max_chance, double base, double per_request,
     double per_token, double per_sampled_token, int64_t kernel_rows, double past_kernel_rows, double draft_seconds,
     double margin, std::optional<CpuArray<double, 2>> factor) {
@@ -56,7 +67,7 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
     throw std::invalid_argument("size, budgets and samples must have one entry per row");
   if (factor && (factor->shape(0) != rows || factor->shape(1) != width))
     throw std::invalid_argument("factor must have prob's shape [rows, width]");
-  const vrs::ChainCalibration cal = chain_calibration(chances, accepted, observed, first_accepted, first_observed,
+  const vrs::ChainCalibration cal = chain_calibration(chances, accepted, observed, first_accepted, first_observed, pool,
                                                       length_bucket, depth_bucket, strength, raw_prior_scale,
                                                       min_chance, max_chance);
   const vrs::ChainCandidates in{static_cast<int>(rows), static_cast<int>(width), prob.data(), source.data(),
@@ -147,13 +158,17 @@ std::tuple<Tally, NewArray<int64_t, 2>> count_chain_outcomes(
 
 double fill_chance_table(CpuArray<double, 4> accepted, CpuArray<double, 4> observed, double strength,
                          double raw_prior_scale, double min_chance, double max_chance, Writable<double, 4> chances,
-                         Writable<float, 4> table, Writable<double, 1> first_accepted,
-                         Writable<double, 1> first_observed) {
+                         Writable<float, 4> table, Writable<double, 2> first_accepted,
+                         Writable<double, 2> first_observed, CpuArray<int32_t, 1> pool) {
   check_calibration_shape("accepted, observed, chances and table", accepted, observed, chances, table);
-  if (first_accepted.shape(0) != accepted.shape(1) || first_observed.shape(0) != accepted.shape(1))
-    throw std::invalid_argument("first_accepted and first_observed must have one entry per match-length bucket");
+  if (first_accepted.shape(1) != accepted.shape(1) || first_observed.shape(1) != accepted.shape(1) ||
+      first_observed.shape(0) != first_accepted.shape(0) || first_accepted.shape(0) == 0)
+    throw std::invalid_argument("first_accepted and first_observed must be [pools, match-length buckets]");
+  check_prior_pools(pool.data(), pool.shape(0), accepted.shape(0), first_accepted.shape(0));
   const vrs::CalibrationCounts in{accepted.data(),
                                   observed.data(),
+                                  pool.data(),
+                                  static_cast<int>(first_accepted.shape(0)),
                                   static_cast<int>(accepted.shape(0)),
                                   static_cast<int>(accepted.shape(1)),
                                   static_cast<int>(accepted.shape(2)),
@@ -172,7 +187,7 @@ void bind_goodput(nb::module_& m) {
   m.def("choose_chain_nodes", &choose_chain_nodes, nb::arg("prob"), nb::arg("source"), nb::arg("match_len"),
         nb::arg("size"), nb::arg("budgets"), nb::arg("samples").none(), nb::arg("num_reqs"), nb::arg("chances"),
         nb::arg("accepted"), nb::arg("observed"), nb::arg("first_accepted"), nb::arg("first_observed"),
-        nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"), nb::arg("raw_prior_scale"),
+        nb::arg("pool"), nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"), nb::arg("raw_prior_scale"),
         nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("base"), nb::arg("per_request"),
         nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("kernel_rows"), nb::arg("past_kernel_rows"),
         nb::arg("draft_seconds"), nb::arg("margin"), nb::arg("factor").none() = nb::none(),
@@ -192,10 +207,10 @@ void bind_goodput(nb::module_& m) {
         "of the nodes observed and accepted per source code.");
   m.def("fill_chance_table", &fill_chance_table, nb::arg("accepted"), nb::arg("observed"), nb::arg("strength"),
         nb::arg("raw_prior_scale"), nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("chances"),
-        nb::arg("table"), nb::arg("first_accepted"), nb::arg("first_observed"),
+        nb::arg("table"), nb::arg("first_accepted"), nb::arg("first_observed"), nb::arg("pool"),
         "Every calibration bucket's chance into chances (float64) and table (float32), the depth-0 "
-        "counts per match-length bucket into first_accepted and first_observed; returns the best "
-        "first chance.");
+        "counts per prior pool (pool: each source code's) and match-length bucket into "
+        "first_accepted and first_observed ([pools, lengths]); returns the best first chance.");
 }
 
 }  // namespace vrs_bind

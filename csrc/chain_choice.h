@@ -30,8 +30,9 @@ struct ChainCalibration {
   const double* chances;         // [sources, lengths, depths, probs]: every bucket's chance (read past depth 0)
   const double* accepted;        // same shape: decaying accepted counts (read at depth 0)
   const double* observed;        // same shape: decaying observed counts
-  const double* first_accepted;  // [lengths]: depth-0 accepted counts per match-length bucket
-  const double* first_observed;  // [lengths]
+  const double* first_accepted;  // [pools, lengths]: depth-0 accepted counts per prior pool and match-length bucket
+  const double* first_observed;  // [pools, lengths]
+  const int32_t* pool;           // [sources]: each source code's prior pool (0 .. pools - 1)
   const int32_t* length_bucket;  // [num_length_keys]: a match length's bucket (longer: the last key's)
   int num_length_keys;
   const int32_t* depth_bucket;   // [num_depth_keys]: a depth's bucket
@@ -90,9 +91,11 @@ class ChainChooser {
           continue;
         }
         const int length = cal.length_bucket[std::clamp(in.match_len[i], 0, cal.num_length_keys - 1)];
-        bucket[i] = bucket_of(cal, in.source[i], length, j, in.prob[i]);
-        chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], length, in.prob[i]),
-                             cal.max_chance);
+        const int code = source_code(cal, in.source[i]);
+        bucket[i] = bucket_of(cal, code, length, j, in.prob[i]);
+        chance[i] = std::min(
+            j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], cal.pool[code] * cal.lengths + length, in.prob[i]),
+            cal.max_chance);
         path *= in.factor != nullptr ? std::min(chance[i] * in.factor[i], cal.max_chance) : chance[i];
         if (j < within && path > 0.0) candidates_.push_back({-path / std::max(node_cost, 1e-12), i, path});
       }
@@ -132,20 +135,25 @@ class ChainChooser {
     double path;
   };
 
-  // The flat bucket of a node at `depth` with match-length bucket `length`.
-  static int64_t bucket_of(const ChainCalibration& cal, int8_t source, int length, int depth, float prob) {
+  // A node's source flags as a source code (as NumPy's modulo).
+  static int source_code(const ChainCalibration& cal, int8_t source) {
+    return ((static_cast<int>(source) % cal.sources) + cal.sources) % cal.sources;
+  }
+
+  // The flat bucket of a node of source code `code` at `depth` with match-length bucket `length`.
+  static int64_t bucket_of(const ChainCalibration& cal, int code, int length, int depth, float prob) {
     const int deep = cal.depth_bucket[std::clamp(depth, 0, cal.num_depth_keys - 1)];
     const float scaled = prob * static_cast<float>(cal.probs);  // NaN and negatives: bucket 0, as NumPy's clip
     const int raw = scaled >= 1.0f ? std::min(static_cast<int>(std::min(scaled, 1e9f)), cal.probs - 1) : 0;
-    const int flags = ((static_cast<int>(source) % cal.sources) + cal.sources) % cal.sources;
-    return ((static_cast<int64_t>(flags) * cal.lengths + length) * cal.depths + deep) * cal.probs + raw;
+    return ((static_cast<int64_t>(code) * cal.lengths + length) * cal.depths + deep) * cal.probs + raw;
   }
 
-  // A depth-0 node's chance: its bucket's counts smoothed towards its match-length bucket's
-  // depth-0 counts over its halved raw guess, clipped to [min_chance, max_chance].
-  static double first_chance(const ChainCalibration& cal, int64_t bucket, int length, float prob) {
-    const double prior = (cal.first_accepted[length] + cal.strength * cal.raw_prior_scale * static_cast<double>(prob)) /
-                         (cal.first_observed[length] + cal.strength);
+  // A depth-0 node's chance: its bucket's counts smoothed towards the depth-0 counts of its prior
+  // pool and match-length bucket (flat index `pooled`) over its halved raw guess, clipped to
+  // [min_chance, max_chance].
+  static double first_chance(const ChainCalibration& cal, int64_t bucket, int64_t pooled, float prob) {
+    const double prior = (cal.first_accepted[pooled] + cal.strength * cal.raw_prior_scale * static_cast<double>(prob)) /
+                         (cal.first_observed[pooled] + cal.strength);
     const double smoothed = (cal.accepted[bucket] + cal.strength * prior) / (cal.observed[bucket] + cal.strength);
     return std::clamp(smoothed, cal.min_chance, cal.max_chance);
   }
@@ -274,6 +282,8 @@ inline OutcomeTally count_chain_outcomes(const PendingChains& in, const int32_t*
 struct CalibrationCounts {
   const double* accepted;
   const double* observed;
+  const int32_t* pool;  // [sources]: each source code's prior pool (0 .. pools - 1)
+  int pools;
   int sources, lengths, depths, probs;
   double strength, raw_prior_scale, min_chance, max_chance;
 };
@@ -281,51 +291,54 @@ struct CalibrationCounts {
 // Every bucket's chance (into `chances`, and as float32 into `table`) with the raw-probability
 // bucket's midpoint as the drafter's guess, each depth shrunk towards the one above it:
 // c[d] = (accepted[d] + strength·c[d − 1]) / (observed[d] + strength), c[−1] the depth-0 prior
-// (the match length's depth-0 counts over the halved midpoint), unclipped along the way and
-// clipped when written; a source never observed keeps the prior at every depth. Fills the
-// depth-0 counts per match length (`first_accepted`, `first_observed`, [lengths]) and returns
+// (the depth-0 counts of the source's prior pool and the match length over the halved midpoint),
+// unclipped along the way and clipped when written; a source never observed keeps its pool's
+// prior at every depth. Fills the depth-0 counts per pool and match length (`first_accepted`,
+// `first_observed`, [pools, lengths]) and returns
 // the best first chance: the highest depth-0 chance of any observed bucket over the halved
 // guess of a sure node, at most max_chance (raw_prior_scale when nothing is observed).
 inline double fill_chance_table(const CalibrationCounts& in, double* chances, float* table, double* first_accepted,
                                 double* first_observed) {
-  const int64_t L = in.lengths, D = in.depths, P = in.probs;
+  const int64_t L = in.lengths, D = in.depths, P = in.probs, pools = in.pools;
   double best = -1.0;
-  for (int64_t l = 0; l < L; ++l) {
-    first_accepted[l] = first_observed[l] = 0.0;
+  std::fill(first_accepted, first_accepted + pools * L, 0.0);
+  std::fill(first_observed, first_observed + pools * L, 0.0);
+  for (int64_t l = 0; l < L; ++l)
     for (int64_t s = 0; s < in.sources; ++s)
       for (int64_t p = 0; p < P; ++p) {
         const int64_t i = ((s * L + l) * D) * P + p;
-        first_accepted[l] += in.accepted[i];
-        first_observed[l] += in.observed[i];
+        first_accepted[in.pool[s] * L + l] += in.accepted[i];
+        first_observed[in.pool[s] * L + l] += in.observed[i];
         if (in.observed[i] > 0.0)
           best = std::max(best, (in.accepted[i] + in.strength * in.raw_prior_scale) / (in.observed[i] + in.strength));
       }
-  }
-  std::vector<double> prior(L * P), running(P);
-  for (int64_t l = 0; l < L; ++l)
+  std::vector<double> prior(pools * L * P), running(P);  // [pools, lengths, probs]
+  for (int64_t k = 0; k < pools * L; ++k)
     for (int64_t p = 0; p < P; ++p)
-      prior[l * P + p] = (first_accepted[l] + in.strength * in.raw_prior_scale * ((p + 0.5) / P)) /
-                         (first_observed[l] + in.strength);
+      prior[k * P + p] = (first_accepted[k] + in.strength * in.raw_prior_scale * ((p + 0.5) / P)) /
+                         (first_observed[k] + in.strength);
   const auto bounded = [&](double c) { return std::min(std::max(c, in.min_chance), in.max_chance); };
   const int64_t per_source = L * D * P;
-  std::vector<double> unseen(per_source);  // a source never observed: the prior at every depth
-  std::vector<float> unseen_table(per_source);
-  for (int64_t i = 0; i < per_source; ++i) {
-    unseen[i] = bounded(prior[(i / (D * P)) * P + i % P]);
-    unseen_table[i] = static_cast<float>(unseen[i]);
-  }
+  std::vector<double> unseen(pools * per_source);  // a source never observed: its pool's prior at every depth
+  std::vector<float> unseen_table(pools * per_source);
+  for (int64_t k = 0; k < pools; ++k)
+    for (int64_t i = 0; i < per_source; ++i) {
+      unseen[k * per_source + i] = bounded(prior[(k * L + i / (D * P)) * P + i % P]);
+      unseen_table[k * per_source + i] = static_cast<float>(unseen[k * per_source + i]);
+    }
   for (int64_t s = 0; s < in.sources; ++s) {
     const double* observed = in.observed + s * per_source;
     double* out = chances + s * per_source;
     float* out_table = table + s * per_source;
+    const int64_t pool = in.pool[s];
     if (std::all_of(observed, observed + per_source, [](double o) { return o == 0.0; })) {
-      std::copy(unseen.begin(), unseen.end(), out);
-      std::copy(unseen_table.begin(), unseen_table.end(), out_table);
+      std::copy(unseen.begin() + pool * per_source, unseen.begin() + (pool + 1) * per_source, out);
+      std::copy(unseen_table.begin() + pool * per_source, unseen_table.begin() + (pool + 1) * per_source, out_table);
       continue;
     }
     const double* accepted = in.accepted + s * per_source;
     for (int64_t l = 0; l < L; ++l) {
-      std::copy(prior.begin() + l * P, prior.begin() + (l + 1) * P, running.begin());
+      std::copy(prior.begin() + (pool * L + l) * P, prior.begin() + (pool * L + l + 1) * P, running.begin());
       for (int64_t d = 0; d < D; ++d)
         for (int64_t p = 0; p < P; ++p) {
           const int64_t i = (l * D + d) * P + p;

@@ -21,7 +21,14 @@ from vllm_retrieval_spec.goodput import (
     choose_nodes,
 )
 from vllm_retrieval_spec.goodput.budget import PendingNodes, _outcomes, _padded
-from vllm_retrieval_spec.goodput.calibration import MAX_CHANCE, MIN_CHANCE, RAW_PRIOR_SCALE, SHAPE
+from vllm_retrieval_spec.goodput.calibration import (
+    MAX_CHANCE,
+    MIN_CHANCE,
+    NUM_PRIOR_POOLS,
+    PRIOR_POOL,
+    RAW_PRIOR_SCALE,
+    SHAPE,
+)
 from vllm_retrieval_spec.goodput.paths import node_depths, path_products
 from vllm_retrieval_spec.goodput.token_factor import TokenFactor
 from vllm_retrieval_spec.kernels.chain_choice import choose_chain_nodes, count_chain_outcomes
@@ -129,6 +136,11 @@ def test_a_lookup_outside_the_table_or_a_factor_of_another_shape_is_refused():
                        np.ones((1, 2), np.float32), np.full((1, 2), 2, np.int8), np.ones((1, 2), np.int32))
     with pytest.raises(ValueError, match="depth_bucket entries must lie in"):
         choose_chain_nodes(nodes, np.array([2]), None, 1, broken, StepCostModel().chain_terms(), 0.0, 0.05)
+    for pool, refusal in ((np.full(NUM_SOURCE_CODES, NUM_PRIOR_POOLS, np.int32), "pool holds a pool outside"),
+                          (np.zeros(3, np.int32), "one entry per source code")):
+        with pytest.raises(ValueError, match=refusal):
+            choose_chain_nodes(nodes, np.array([2]), None, 1, dataclasses.replace(calibration, pool=pool),
+                               StepCostModel().chain_terms(), 0.0, 0.05)
     with pytest.raises(ValueError, match="factor must have prob's shape"):
         choose_chain_nodes(nodes, np.array([2]), None, 1, calibration, StepCostModel().chain_terms(), 0.0, 0.05,
                            np.ones((1, 3)))
@@ -228,7 +240,7 @@ def test_the_chance_table_equals_its_numpy_reference(observations):
     table = calibration.chance_table()
     want, first_accepted, first_observed, best = reference_chance_table(
         calibration.accepted, calibration.observed, calibration.prior_strength, RAW_PRIOR_SCALE, MIN_CHANCE,
-        MAX_CHANCE)
+        MAX_CHANCE, PRIOR_POOL, NUM_PRIOR_POOLS)
     np.testing.assert_allclose(calibration.chain_calibration().chances, want, rtol=1e-12, atol=0)
     np.testing.assert_allclose(table.chance, want.astype(np.float32), rtol=1e-6, atol=0)
     chain = calibration.chain_calibration()

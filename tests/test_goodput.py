@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, DraftNodes
+from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_DENSE, SOURCE_LEARNED, DraftNodes
 from vllm_retrieval_spec.goodput import (
     AcceptanceCalibration,
     GoodputBudget,
@@ -18,6 +18,7 @@ from vllm_retrieval_spec.goodput import (
     choose_nodes,
 )
 from vllm_retrieval_spec.goodput.budget import PROBE_EVERY, TREE_PATIENCE, TREE_RETRY_EVERY
+from vllm_retrieval_spec.goodput.calibration import SHAPE
 from vllm_retrieval_spec.goodput.chooser import main_paths
 from vllm_retrieval_spec.goodput.paths import first_children, node_depths, path_products
 from vllm_retrieval_spec.goodput.search_gate import MAX_PENDING, MAX_WAIT_STEPS, MIN_PAIRED_STEPS, SearchGate, StepWay
@@ -284,6 +285,26 @@ def test_the_search_does_not_start_on_gains_within_the_paired_steps_noise():
     assert not gate.searching  # half a token a step more, but well within the steps' spread
     feed(gate, [7, 8, 9, 10], [7, 8, 1], generated, 40)  # one token more, every step
     assert gate.searching
+
+
+def test_dense_nodes_learned_leave_every_sparse_sources_chances_as_they_were():
+    """The depth-0 prior pools by kind: what a dense source's nodes teach (their "match length"
+    counts agreeing neighbours) moves no sparse bucket, seen or unseen, and an unseen dense
+    combination starts from the dense nodes' prior, not REST's."""
+    sparse = AcceptanceCalibration()
+    context = np.ravel_multi_index((SOURCE_CONTEXT, 6, 0, 9), SHAPE)
+    sparse.observe(np.full(40, context), np.full(40, 0.5), np.arange(40) < 30)
+    mixed = copy.deepcopy(sparse)
+    dense = [np.ravel_multi_index((SOURCE_DENSE, 6, depth, 9), SHAPE) for depth in (0, 1)]
+    mixed.observe(np.repeat(dense, 50), np.full(100, 0.5), np.zeros(100, bool))
+    is_sparse = (np.arange(SHAPE[0]) & (SOURCE_DENSE | SOURCE_LEARNED)) == 0
+    sparse_table, mixed_table = (c.chance_table().chance.copy() for c in (sparse, mixed))
+    assert np.array_equal(sparse_table[is_sparse], mixed_table[is_sparse])
+    unseen_datastore = np.ravel_multi_index((SOURCE_DATASTORE, 6, 0, 9), SHAPE)
+    unseen_mixed = np.ravel_multi_index((SOURCE_DATASTORE | SOURCE_DENSE, 6, 0, 9), SHAPE)
+    estimates = mixed.estimate(np.array([unseen_datastore, unseen_mixed]), np.array([0.95, 0.95]))
+    assert estimates[0] == sparse.estimate(np.array([unseen_datastore]), np.array([0.95]))[0] > 0.5
+    assert estimates[1] < 0.05  # where the dense nodes stand
 
 
 def test_the_search_pays_only_for_all_its_time():

@@ -8,10 +8,15 @@ A sparse bucket borrows from the same bucket one depth shallower: acceptance giv
 rarely falls with depth (a copy that held for 8 tokens tends to hold for the 9th), and a bucket
 too deep to have been drafted yet must start where its shallower neighbour stands, not at a
 guess so low that the chooser never drafts it and never learns otherwise. A depth-0 bucket
-borrows from every source's depth-0 nodes of its match length (the strongest predictor: a
-16-token match is accepted far more often than a 1-token one, whichever sources found it, so a
-new combination of sources starts where its match length stands), which borrow from the
-drafter's own guess (its raw probability, halved: drafters are over-confident). Counts are
+borrows from the depth-0 nodes of its match length of every source of its prior pool (the
+strongest predictor: a 16-token match is accepted far more often than a 1-token one, whichever
+sources found it, so a new combination of sources starts where its match length stands), which
+borrow from the drafter's own guess (its raw probability, halved: drafters are over-confident).
+Two pools: a node a dense source drafted (``SOURCE_DENSE``, ``SOURCE_LEARNED``, alone or with
+others) has for its "match length" the number of neighbours that agreed with the sampled token,
+not matched tokens, and pools with the other dense ones; every other node with the sparse ones,
+so that the dense nodes Hybrid's search gate learns from without sending them leave REST's own
+sources' chances as REST alone would have them. Counts are
 halved every ``decay_every`` steps so that the estimates follow the traffic.
 :meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
 ranks its candidates by it.
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, DraftNodes
+from vllm_retrieval_spec.drafts import NUM_SOURCE_CODES, SOURCE_DENSE, SOURCE_LEARNED, DraftNodes
 from vllm_retrieval_spec.kernels.chain_choice import ChainCalibration, fill_chance_table
 from vllm_retrieval_spec.kernels.rest import ChanceTable
 from vllm_retrieval_spec.options import MAX_SPEC_LEN
@@ -34,6 +39,9 @@ MATCH_LENGTH_EDGES = np.array([1, 2, 3, 5, 9, 17])
 # 48-63 | 64-95 | 96+.
 DEPTH_EDGES = np.array([1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96])
 PROB_BUCKETS = 10  # raw probability in tenths
+# Each source code's prior pool (module docstring): 1 with a dense flag, else 0.
+PRIOR_POOL = ((np.arange(NUM_SOURCE_CODES) & (SOURCE_DENSE | SOURCE_LEARNED)) != 0).astype(np.int32)
+NUM_PRIOR_POOLS = 2
 SHAPE = (NUM_SOURCE_CODES, len(MATCH_LENGTH_EDGES) + 1, len(DEPTH_EDGES) + 1, PROB_BUCKETS)
 # Bucket lookups (longer or deeper: the last entry's), shared with the kernel's ChanceTable.
 LENGTH_BUCKET = np.searchsorted(MATCH_LENGTH_EDGES, np.arange(MATCH_LENGTH_EDGES[-1] + 1), "right").astype(np.int32)
@@ -72,7 +80,7 @@ class AcceptanceCalibration:
     steps: int = 0
     _chances: np.ndarray | None = field(default=None, repr=False)  # what _table holds, in float64
     _best_first: float = field(default=RAW_PRIOR_SCALE, repr=False)  # best_first_chance() at the last refresh
-    # Depth-0 accepted and observed counts per match-length bucket, at the last refresh.
+    # Depth-0 accepted and observed counts per prior pool and match-length bucket, at the last refresh.
     _first: tuple[np.ndarray, np.ndarray] = field(default=(np.zeros(0), np.zeros(0)), repr=False)
     _table: ChanceTable | None = field(default=None, repr=False)
     _table_step: int = -TABLE_REFRESH_STEPS
@@ -90,11 +98,12 @@ class AcceptanceCalibration:
     def estimate(self, bucket: np.ndarray, raw_prob: np.ndarray) -> np.ndarray:
         """Calibrated chance per node that it is accepted given its parent is (at depth 0 with
         the node's own raw guess in the prior, deeper as in :meth:`chance_table`)."""
-        _, length, depth, _ = np.unravel_index(bucket, SHAPE)
+        source, length, depth, _ = np.unravel_index(bucket, SHAPE)
         self.chance_table()  # past depth 0 the table's chances, and depth 0's prior as of its refresh
         accepted, observed = self._first
         first = _smoothed(self.accepted.reshape(-1)[bucket], self.observed.reshape(-1)[bucket],
-                          _first_prior(accepted[length], observed[length], np.asarray(raw_prob, np.float64),
+                          _first_prior(accepted[PRIOR_POOL[source], length], observed[PRIOR_POOL[source], length],
+                                       np.asarray(raw_prob, np.float64),
                                        self.prior_strength), self.prior_strength)
         return np.where(depth > 0, self._chances.reshape(-1)[bucket], first)
 
@@ -107,10 +116,10 @@ class AcceptanceCalibration:
             if self._table is None:  # filled in place from now on: no 1.7 MB of new arrays per refresh
                 self._chances = np.empty(SHAPE)
                 self._table = ChanceTable(np.empty(SHAPE, np.float32), LENGTH_BUCKET, DEPTH_BUCKET)
-                self._first = (np.empty(SHAPE[1]), np.empty(SHAPE[1]))
+                self._first = (np.empty((NUM_PRIOR_POOLS, SHAPE[1])), np.empty((NUM_PRIOR_POOLS, SHAPE[1])))
             self._best_first = fill_chance_table(self.accepted, self.observed, self.prior_strength, RAW_PRIOR_SCALE,
                                                  MIN_CHANCE, MAX_CHANCE, self._chances, self._table.chance,
-                                                 *self._first)
+                                                 *self._first, PRIOR_POOL)
             self._table_step, self._table_stale = self.steps, False
         return self._table
 
@@ -120,8 +129,8 @@ class AcceptanceCalibration:
         self.chance_table()
         first_accepted, first_observed = self._first
         return ChainCalibration(self._chances, self.accepted, self.observed, first_accepted, first_observed,
-                                LENGTH_BUCKET, DEPTH_BUCKET, self.prior_strength, RAW_PRIOR_SCALE, MIN_CHANCE,
-                                MAX_CHANCE)
+                                PRIOR_POOL, LENGTH_BUCKET, DEPTH_BUCKET, self.prior_strength, RAW_PRIOR_SCALE,
+                                MIN_CHANCE, MAX_CHANCE)
 
     def best_first_chance(self) -> float:
         """The best calibrated chance of a root child in any bucket this drafter's nodes have

@@ -21,8 +21,8 @@ fast VM it searched 72 steps that cost Hybrid 3% of REST's tokens a step before 
 drafted (alone or with others), in rows of greedy requests, feed the calibration as verified ones
 would (greedy verification accepts exactly the prefix the target generates): the dense sources'
 chances are learned before their nodes are ever sent, and the other sources' buckets stay what the
-sent nodes teach (their depth-0 counts still join the prior that every source's unseen buckets
-share by match length: ``fill_chance_table`` pools depth 0 over all sources).
+sent nodes teach (the depth-0 prior by match length pools the dense sources apart from the others:
+``goodput/calibration.py``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """The goodput budget's choice among chain drafts in one C++ call a step, and what verification
 made of them: the front end of ``csrc/chain_choice.h``.
 
-Per node of each row's chain: its calibration bucket, its calibrated chance given its parent
-(the table past depth 0; at depth 0 its bucket's counts over its match length's depth-0 counts
-and its own halved raw guess) times its token's factor (``goodput/token_factor.py``) and the
-product along the chain; then the nodes within their rows' budgets ranked by chance per second
-of verification, and the best prefix of that order for the highest expected rate, or none when
-it does not beat a step without drafts. The arithmetic is the NumPy path's, in the same order
-(``goodput/calibration.py`` ``buckets`` and ``estimate``, ``goodput/paths.py``
-``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees still run and which
-the tests compare this kernel against; :func:`count_chain_outcomes` is ``goodput/budget.py``'s
-read-back of a step (its ``observe`` for trees) for chains. :func:`fill_chance_table` is the
-calibration's table of every bucket's chance (``kernels/chance_table_reference.py`` in NumPy).
+Per node of each row's chain: its calibration bucket, its calibrated chance given its parent (the
+table past depth 0; at depth 0 its bucket's counts over the depth-0 counts of its source's prior
+pool and its match length, and its own halved raw guess) times its token's factor
+(``goodput/token_factor.py``) and the product along the chain; then the nodes within their rows'
+budgets ranked by chance per second of verification, and the best prefix of that order for the
+highest expected rate, or none when it does not beat a step without drafts. The arithmetic is the
+NumPy path's, in the same order (``goodput/calibration.py`` ``buckets`` and ``estimate``,
+``goodput/paths.py`` ``path_products``, ``goodput/chooser.py`` ``choose_nodes``), which trees still
+run and which the tests compare this kernel against; :func:`count_chain_outcomes` is
+``goodput/budget.py``'s read-back of a step (its ``observe`` for trees) for chains.
+:func:`fill_chance_table` is the calibration's table of every bucket's chance
+(``kernels/chance_table_reference.py`` in NumPy).
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ from vllm_retrieval_spec.kernels.extension import load_extension
 class ChainCalibration:
     """What the chooser reads of the calibration: every bucket's chance (``[sources, lengths,
     depths, probs]`` float64, read past depth 0), the decaying accepted and observed counts (same
-    shape, read at depth 0), the depth-0 counts per match-length bucket, the bucket lookups of
-    match lengths and depths (int32), the prior strength, the scale of a drafter's raw guess in
-    the depth-0 prior and the chances' bounds."""
+    shape, read at depth 0), the depth-0 counts per prior pool and match-length bucket
+    (``[pools, lengths]``), each source code's prior pool (``[sources]`` int32), the bucket
+    lookups of match lengths and depths (int32), the prior strength, the scale of a drafter's raw
+    guess in the depth-0 prior and the chances' bounds."""
 
     chances: np.ndarray
     accepted: np.ndarray
     observed: np.ndarray
     first_accepted: np.ndarray
     first_observed: np.ndarray
+    pool: np.ndarray
     length_bucket: np.ndarray
     depth_bucket: np.ndarray
     strength: float
@@ -73,9 +76,10 @@ def choose_chain_nodes(nodes: DraftNodes, budgets: np.ndarray, samples: np.ndarr
         np.ascontiguousarray(nodes.match_len, np.int32), np.ascontiguousarray(nodes.size, np.int32),
         np.ascontiguousarray(budgets, np.int32), None if samples is None else np.ascontiguousarray(samples, bool),
         num_reqs, calibration.chances, calibration.accepted, calibration.observed, calibration.first_accepted,
-        calibration.first_observed, calibration.length_bucket, calibration.depth_bucket, calibration.strength,
-        calibration.raw_prior_scale, calibration.min_chance, calibration.max_chance, cost.base, cost.per_request,
-        cost.per_token, cost.per_sampled_token, cost.kernel_rows, cost.past_kernel_rows, draft_seconds, margin,
+        calibration.first_observed, calibration.pool, calibration.length_bucket, calibration.depth_bucket,
+        calibration.strength, calibration.raw_prior_scale, calibration.min_chance, calibration.max_chance, cost.base,
+        cost.per_request, cost.per_token, cost.per_sampled_token, cost.kernel_rows, cost.past_kernel_rows,
+        draft_seconds, margin,
         None if factor is None else np.ascontiguousarray(factor, np.float64),
     )
 
@@ -117,10 +121,11 @@ def count_chain_outcomes(tokens: np.ndarray, keep: np.ndarray, bucket: np.ndarra
 
 def fill_chance_table(accepted: np.ndarray, observed: np.ndarray, strength: float, raw_prior_scale: float,
                       min_chance: float, max_chance: float, chances: np.ndarray, table: np.ndarray,
-                      first_accepted: np.ndarray, first_observed: np.ndarray) -> float:
+                      first_accepted: np.ndarray, first_observed: np.ndarray, pool: np.ndarray) -> float:
     """Every bucket's chance from the decaying counts (``[sources, lengths, depths, probs]``
-    float64) into ``chances`` (float64) and ``table`` (float32), the depth-0 counts per
-    match-length bucket into ``first_accepted`` and ``first_observed``; returns the best first
-    chance (``csrc/chain_choice.h``, ``fill_chance_table``)."""
+    float64) into ``chances`` (float64) and ``table`` (float32), the depth-0 counts per prior
+    pool (``pool``: each source code's, int32) and match-length bucket into ``first_accepted``
+    and ``first_observed`` (``[pools, lengths]``); returns the best first chance
+    (``csrc/chain_choice.h``, ``fill_chance_table``)."""
     return load_extension().fill_chance_table(accepted, observed, strength, raw_prior_scale, min_chance, max_chance,
-                                              chances, table, first_accepted, first_observed)
+                                              chances, table, first_accepted, first_observed, pool)

@@ -19,19 +19,22 @@ def _depth_chained(accepted: np.ndarray, observed: np.ndarray, first: np.ndarray
 
 
 def chance_table(accepted: np.ndarray, observed: np.ndarray, strength: float, raw_prior_scale: float,
-                 min_chance: float, max_chance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+                 min_chance: float, max_chance: float, pool: np.ndarray,
+                 pools: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Every bucket's chance (float64, the counts' shape), the depth-0 accepted and observed
-    counts per match-length bucket, and the best first chance, as the kernel computes them."""
+    counts per prior pool (``pool``: each source code's, below ``pools``) and match-length
+    bucket, and the best first chance, as the kernel computes them."""
     probs = accepted.shape[3]
-    first_accepted = accepted[:, :, 0].sum(axis=(0, 2))
-    first_observed = observed[:, :, 0].sum(axis=(0, 2))
+    in_pool = np.arange(pools)[:, None] == np.asarray(pool)[None, :]  # [pools, sources]
+    first_accepted = np.stack([accepted[members, :, 0].sum(axis=(0, 2)) for members in in_pool])
+    first_observed = np.stack([observed[members, :, 0].sum(axis=(0, 2)) for members in in_pool])
     midpoint = (np.arange(probs) + 0.5) / probs
-    first = ((first_accepted[:, None] + strength * raw_prior_scale * midpoint)
-             / (first_observed[:, None] + strength))  # [length, prob]
+    first = ((first_accepted[:, :, None] + strength * raw_prior_scale * midpoint)
+             / (first_observed[:, :, None] + strength))[pool]  # [source, length, prob]
     chances = np.empty(accepted.shape)
-    chances[...] = first[None, :, None, :]  # unseen sources keep the prior at every depth
+    chances[...] = first[:, :, None, :]  # unseen sources keep their pool's prior at every depth
     seen = np.flatnonzero(observed.any(axis=(1, 2, 3)))
-    chances[seen] = _depth_chained(accepted[seen], observed[seen], first[None], strength)
+    chances[seen] = _depth_chained(accepted[seen], observed[seen], first[seen], strength)
     observed0 = observed[:, :, 0]
     if (observed0 > 0).any():
         depth0 = (accepted[:, :, 0] + strength * raw_prior_scale) / (observed0 + strength)
