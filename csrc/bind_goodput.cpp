@@ -55,10 +55,9 @@ std::tuple<NewArray<int64_t, 2>, NewArray<double, 2>, NewArray<bool, 2>> choose_
     CpuArray<int32_t, 1> budgets, std::optional<CpuArray<bool, 1>> samples, int num_reqs, CpuArray<double, 4> chances,
     CpuArray<double, 4> accepted, CpuArray<double, 4> observed, CpuArray<double, 2> first_accepted,
     CpuArray<double, 2> first_observed, CpuArray<int32_t, 1> pool, CpuArray<int32_t, 1> length_bucket,
-    CpuArray<int32_t, 1> depth_bucket,
-    double strength, double raw_prior_scale, double min_chance, double max_chance, double base, double per_request,
-    double per_token, double per_sampled_token, int64_t kernel_rows, double past_kernel_rows, double draft_seconds,
-    double margin, std::optional<CpuArray<double, 2>> factor) {
+    CpuArray<int32_t, 1> depth_bucket, double strength, double raw_prior_scale, double min_chance, double max_chance,
+    double base, double per_request, double per_token, double per_sampled_token, int64_t kernel_rows,
+    double past_kernel_rows, double draft_seconds, double margin, std::optional<CpuArray<double, 2>> factor) {
   const size_t rows = prob.shape(0), width = prob.shape(1);
   if (source.shape(0) != rows || source.shape(1) != width || match_len.shape(0) != rows ||
       match_len.shape(1) != width)
@@ -187,10 +186,10 @@ void bind_goodput(nb::module_& m) {
   m.def("choose_chain_nodes", &choose_chain_nodes, nb::arg("prob"), nb::arg("source"), nb::arg("match_len"),
         nb::arg("size"), nb::arg("budgets"), nb::arg("samples").none(), nb::arg("num_reqs"), nb::arg("chances"),
         nb::arg("accepted"), nb::arg("observed"), nb::arg("first_accepted"), nb::arg("first_observed"),
-        nb::arg("pool"), nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"), nb::arg("raw_prior_scale"),
-        nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("base"), nb::arg("per_request"),
-        nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("kernel_rows"), nb::arg("past_kernel_rows"),
-        nb::arg("draft_seconds"), nb::arg("margin"), nb::arg("factor").none() = nb::none(),
+        nb::arg("pool"), nb::arg("length_bucket"), nb::arg("depth_bucket"), nb::arg("strength"),
+        nb::arg("raw_prior_scale"), nb::arg("min_chance"), nb::arg("max_chance"), nb::arg("base"),
+        nb::arg("per_request"), nb::arg("per_token"), nb::arg("per_sampled_token"), nb::arg("kernel_rows"),
+        nb::arg("past_kernel_rows"), nb::arg("draft_seconds"), nb::arg("margin"), nb::arg("factor").none() = nb::none(),
         "The goodput budget's choice among chain drafts ([rows, width] candidates, node j's parent "
         "node j - 1; factor: each node's token factor on its chance in the path products, None: "
         "none): returns new arrays bucket (int64), chance given the parent before the factor "

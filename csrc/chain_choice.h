@@ -93,9 +93,9 @@ class ChainChooser {
         const int length = cal.length_bucket[std::clamp(in.match_len[i], 0, cal.num_length_keys - 1)];
         const int code = source_code(cal, in.source[i]);
         bucket[i] = bucket_of(cal, code, length, j, in.prob[i]);
-        chance[i] = std::min(
-            j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], cal.pool[code] * cal.lengths + length, in.prob[i]),
-            cal.max_chance);
+        const int64_t pooled = static_cast<int64_t>(cal.pool[code]) * cal.lengths + length;
+        chance[i] = std::min(j > 0 ? cal.chances[bucket[i]] : first_chance(cal, bucket[i], pooled, in.prob[i]),
+                             cal.max_chance);
         path *= in.factor != nullptr ? std::min(chance[i] * in.factor[i], cal.max_chance) : chance[i];
         if (j < within && path > 0.0) candidates_.push_back({-path / std::max(node_cost, 1e-12), i, path});
       }
@@ -294,9 +294,9 @@ struct CalibrationCounts {
 // (the depth-0 counts of the source's prior pool and the match length over the halved midpoint),
 // unclipped along the way and clipped when written; a source never observed keeps its pool's
 // prior at every depth. Fills the depth-0 counts per pool and match length (`first_accepted`,
-// `first_observed`, [pools, lengths]) and returns
-// the best first chance: the highest depth-0 chance of any observed bucket over the halved
-// guess of a sure node, at most max_chance (raw_prior_scale when nothing is observed).
+// `first_observed`, [pools, lengths]) and returns the best first chance: the highest depth-0
+// chance of any observed bucket over the halved guess of a sure node, at most max_chance
+// (raw_prior_scale when nothing is observed).
 inline double fill_chance_table(const CalibrationCounts& in, double* chances, float* table, double* first_accepted,
                                 double* first_observed) {
   const int64_t L = in.lengths, D = in.depths, P = in.probs, pools = in.pools;

@@ -16,8 +16,8 @@ Two pools: a node a dense source drafted (``SOURCE_DENSE``, ``SOURCE_LEARNED``, 
 others) has for its "match length" the number of neighbours that agreed with the sampled token,
 not matched tokens, and pools with the other dense ones; every other node with the sparse ones,
 so that the dense nodes Hybrid's search gate learns from without sending them leave REST's own
-sources' chances as REST alone would have them. Counts are
-halved every ``decay_every`` steps so that the estimates follow the traffic.
+sources' chances as REST alone would have them. Counts are halved every ``decay_every`` steps so
+that the estimates follow the traffic.
 :meth:`AcceptanceCalibration.chance_table` gives every bucket's chance to REST's kernel, which
 ranks its candidates by it.
 """
