@@ -11,9 +11,18 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from test_goodput import feed
 from test_proposer_base import fake_vllm_config, goodput_budget, vllm_buffers
 
-from vllm_retrieval_spec.drafts import SOURCE_CONTEXT, SOURCE_DATASTORE, SOURCE_MODEL, SOURCE_OUTPUT, source_label
+from vllm_retrieval_spec.drafts import (
+    SOURCE_CONTEXT,
+    SOURCE_DATASTORE,
+    SOURCE_DENSE,
+    SOURCE_MODEL,
+    SOURCE_OUTPUT,
+    source_label,
+)
+from vllm_retrieval_spec.goodput.search_gate import MIN_PAIRED_STEPS, SearchGate
 from vllm_retrieval_spec.integration import metrics
 from vllm_retrieval_spec.integration.metrics import PREFIX, RunnerMetrics
 from vllm_retrieval_spec.proposers.prompt_lookup import PromptLookupProposer
@@ -81,6 +90,41 @@ def test_steps_publish_draft_budget_and_acceptance_counts():
     assert value("budget_tree_choices_total", labels, choice="branched") == 1
     assert value("budget_tree_choices_total", labels, choice="chain") == 2
     assert value("draft_tokens_total", labels, source="context") == 6 and value("drafting_seconds_count", labels) == 3
+
+
+class GatedPromptLookup(PromptLookupProposer):
+    """Prompt lookup with a search gate of its own, as Hybrid has (driven by hand here)."""
+
+    def __init__(self, vllm_config) -> None:
+        super().__init__(vllm_config)
+        self.gate = SearchGate(SOURCE_DENSE)
+
+    def search_gate(self) -> SearchGate:
+        return self.gate
+
+
+def test_a_search_gate_publishes_its_decisions_and_the_rates_behind_them():
+    proposer = GatedPromptLookup(fake_vllm_config())
+    session, labels = metered(proposer, budget=True)
+    assert value("dense_search_paired_steps_total", labels) == 0  # shown from the start
+    assert not proposer.gate.open()  # held until the search has shown it pays
+    # Paired steps where the search's chain is accepted whole (4 tokens) and the other's for 2.
+    feed(proposer.gate, [7, 8, 9, 10], [7, 8, 5], [7, 8, 9, 10, 11], MIN_PAIRED_STEPS)
+    assert proposer.gate.open()
+    step(session, proposer, [[2]])
+    assert value("dense_search_steps_total", labels, decision="held") == 1
+    assert value("dense_search_steps_total", labels, decision="searched") == 1
+    assert value("dense_search_paired_steps_total", labels) == MIN_PAIRED_STEPS
+    assert value("dense_search_tokens_per_second", labels, way="with_search") == pytest.approx(5 / 0.03)
+    assert value("dense_search_tokens_per_second", labels, way="without") == pytest.approx(3 / 0.03)
+
+
+def test_a_proposer_without_a_search_gate_publishes_no_gate_series():
+    proposer = PromptLookupProposer(fake_vllm_config())
+    session, labels = metered(proposer, budget=True)
+    step(session, proposer, [[2]])
+    assert value("dense_search_paired_steps_total", labels) is None
+    assert value("dense_search_tokens_per_second", labels, way="without") is None
 
 
 def test_requests_that_turned_speculation_off_are_counted():

@@ -137,7 +137,7 @@ class SearchGate:
 
     def report(self) -> dict:
         """Counters and each way's rate over the paired steps (for benchmarks and operators)."""
-        rates = self._rates().tolist()
+        rates = self.rates().tolist()
         return {"steps": self.steps, "searches": self.searches, "paired_steps_judged": self.judged,
                 "pairing_seconds": self.pairing_seconds, "searching": self.searching,
                 "tokens_per_second_with_search": rates[0], "tokens_per_second_without": rates[1]}
@@ -164,8 +164,9 @@ class SearchGate:
         if self.judged >= MIN_PAIRED_STEPS:
             self._decide()
 
-    def _rates(self) -> np.ndarray:
-        """Tokens per second of the paired steps, (with the search, without)."""
+    def rates(self) -> np.ndarray:
+        """Tokens per second of the paired steps, (with the search, without): decaying sums, 0
+        before any was judged."""
         return self._tokens / np.maximum(self._seconds, 1e-12)
 
     def _difference_error(self) -> float:
@@ -175,7 +176,7 @@ class SearchGate:
         return float(np.sqrt(variance * square_weights))
 
     def _decide(self) -> None:
-        with_search, without = self._rates()
+        with_search, without = self.rates()
         if not self.searching:  # to start, the search's extra tokens must clear their noise
             with_search -= START_Z * self._difference_error() / max(self._seconds[0], 1e-12)
         searching = bool(with_search >= without)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_retrieval_spec.goodput import BudgetStats
+    from vllm_retrieval_spec.goodput.search_gate import SearchGate
     from vllm_retrieval_spec.proposers.base import DraftProposer, ProposerStats
     from vllm_retrieval_spec.verification.session import SpecSession, TreeVerificationStats
 
@@ -44,11 +45,13 @@ Total = int | Mapping[str, int]  # one count, or counts by the value of the coun
 
 @dataclass(frozen=True)
 class Counts:
-    """One runner's counters at one step (``budget`` None with ``budget: fixed``)."""
+    """One runner's counters at one step (``budget`` None with ``budget: fixed``; ``gate`` None
+    for a proposer without an optional search)."""
 
     proposer: ProposerStats
     tree: TreeVerificationStats
     budget: BudgetStats | None
+    gate: SearchGate | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ class CounterSpec:
 
 def _budget(read: Callable[[BudgetStats], Total]) -> Callable[[Counts], Total | None]:
     return lambda counts: None if counts.budget is None else read(counts.budget)
+
+
+def _gate(read: Callable[[SearchGate], Total]) -> Callable[[Counts], Total | None]:
+    return lambda counts: None if counts.gate is None else read(counts.gate)
 
 
 def _decisions(stats: BudgetStats) -> dict[str, int]:
@@ -105,7 +112,13 @@ COUNTERS = (
                 _budget(lambda b: b.observed_by_source), "source"),
     CounterSpec("accepted_draft_tokens", "Of those, the accepted ones, by source.",
                 _budget(lambda b: b.accepted_by_source), "source"),
+    CounterSpec("dense_search_steps", "Hybrid with budget auto: steps by whether the dense search ran (searched) "
+                "or its gate held it (held: steps drafted with it did not serve faster than the same steps drafted "
+                "without it).", _gate(lambda g: {"searched": g.searches, "held": g.steps - g.searches}), "decision"),
+    CounterSpec("dense_search_paired_steps", "Hybrid with budget auto: steps drafted both ways, with and without "
+                "the dense search, that its gate has judged.", _gate(lambda g: g.judged)),
 )
+GATE_WAYS = ("with_search", "without")  # the ``way`` label of the gate's rates, in SearchGate.rates order
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class Families:
     step_cost_seconds: Gauge
     step_cost_error: Gauge
     failing_steps: Gauge
+    gate_rates: Gauge
 
 
 @functools.cache
@@ -138,7 +152,12 @@ def families() -> Families:
     failing = Gauge(PREFIX + "consecutive_drafting_failures", "Steps in a row whose drafting failed (0 once a "
                     "step drafts again); above 0 for long, the server runs without speculation.", LABELS,
                     multiprocess_mode="mostrecent")
-    return Families(counters, drafting, cost, cost_error, failing)
+    gate_rates = Gauge(PREFIX + "dense_search_tokens_per_second", "Hybrid with budget auto: tokens per second of "
+                       "the steps its gate drafted both ways, with the dense search and without (label way; decaying "
+                       "over ~33 such steps): the search starts once the first leads clear of the paired steps' noise "
+                       "and runs while it is at least the second.",
+                       [*LABELS, "way"], multiprocess_mode="mostrecent")
+    return Families(counters, drafting, cost, cost_error, failing, gate_rates)
 
 
 class RunnerMetrics:
@@ -157,6 +176,8 @@ class RunnerMetrics:
         self._step_cost_error = {measure: metrics.step_cost_error.labels(*labels, measure)
                                  for measure in ("mean_absolute", "bias")}
         self._failing_steps = metrics.failing_steps.labels(*labels)
+        gate = proposer.search_gate()
+        self._gate_rates = [] if gate is None else [metrics.gate_rates.labels(*labels, way) for way in GATE_WAYS]
         counts = self.counts()
         for spec in COUNTERS:  # plain counters show from the start, at zero
             if spec.label is None and spec.total(counts) is not None:
@@ -164,7 +185,8 @@ class RunnerMetrics:
 
     def counts(self) -> Counts:
         budget = self.session.budget
-        return Counts(self.proposer.stats, self.session.stats, None if budget is None else budget.stats)
+        return Counts(self.proposer.stats, self.session.stats, None if budget is None else budget.stats,
+                      self.proposer.search_gate())
 
     def publish(self, draft_seconds: float) -> None:
         """One step drafted: observe its time and add what every counter grew by. Never raises
@@ -195,6 +217,9 @@ class RunnerMetrics:
             error = budget.cost.error.report()
             for measure, gauge in self._step_cost_error.items():
                 gauge.set(error[measure])
+        if self._gate_rates:
+            for gauge, rate in zip(self._gate_rates, counts.gate.rates().tolist()):
+                gauge.set(rate)
 
     def _grow(self, name: str, label_values: tuple[str, ...], total: int) -> None:
         key = (name, *label_values)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from vllm_retrieval_spec.datastores.context_states import ContextStates
     from vllm_retrieval_spec.datastores.learned_dense import LearnedDenseIndex
+    from vllm_retrieval_spec.goodput.search_gate import SearchGate
 
 logger = init_logger(__name__)
 
@@ -183,6 +184,11 @@ class DraftProposer(abc.ABC):
     def learned_dense_index(self) -> LearnedDenseIndex | None:
         """A new dense index for the runner's session to learn from served traffic (dense
         proposers with ``dense_learned_positions``), else None."""
+        return None
+
+    def search_gate(self) -> SearchGate | None:
+        """The gate of an optional search this proposer runs only while it pays (Hybrid's dense
+        search), for the metrics; else None."""
         return None
 
     def candidate_tree_size(self) -> int:

@@ -34,6 +34,9 @@ class HybridProposer(UsesDenseSource, RestProposer):
         self.gate = SearchGate(SOURCE_DENSE | SOURCE_LEARNED, type(self).__name__)
         self.last_drafts: DenseDrafts | None = None
 
+    def search_gate(self) -> SearchGate:
+        return self.gate
+
     def draft(self, batch: DraftBatch) -> DenseDrafts:
         budget = None if self.session is None else self.session.budget
         if budget is None:
