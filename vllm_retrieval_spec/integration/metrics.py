@@ -51,7 +51,7 @@ class Counts:
     proposer: ProposerStats
     tree: TreeVerificationStats
     budget: BudgetStats | None
-    gate: SearchGate | None = None
+    gate: SearchGate | None
 
 
 @dataclass(frozen=True)
