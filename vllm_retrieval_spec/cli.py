@@ -510,6 +510,9 @@ def _run(argv: list[str]) -> list[str] | None:
     """Run our command; for ``serve`` and ``vllm``, check ours, prepare the process and return
     vLLM's command line."""
     if argv[:1] == ["serve"]:
+        from vllm_retrieval_spec.evaluation.server import end_with_parent
+
+        end_with_parent()
         return _serve_command(argv[1:])
     if argv[:1] == ["vllm"]:
         _prepare_vllm_process()

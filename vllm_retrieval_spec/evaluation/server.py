@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -21,6 +22,9 @@ from vllm_retrieval_spec.compat import CPU_ENVIRONMENT
 from vllm_retrieval_spec.evaluation.metrics import SpecDecodeCounters
 
 LOOPBACK = "127.0.0.1"
+# Set by VllmServer for its server: the pid whose death ends the server (see end_with_parent).
+PARENT_PID_ENV = "VLLM_RETRIEVAL_SPEC_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -39,12 +43,29 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 120.0, poll_s: 
     return True
 
 
+def end_with_parent() -> None:
+    """In a server started by :class:`VllmServer`: ask the kernel for SIGTERM when the process
+    (strictly: the thread) that started it dies, so a test run or benchmark killed without its
+    clean-up leaves no server holding memory; exit at once if that process is already gone.
+    The server's SIGTERM shuts its engine down as :meth:`VllmServer.stop` does. A no-op without
+    ``PARENT_PID_ENV`` or off Linux."""
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not allowed here: the server keeps running as before
+    if os.getppid() != int(parent):  # the parent died before the request took effect
+        sys.exit(f"the process that started this server ({parent}) is gone")
+
+
 class ServerError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log."""
 
 
 class VllmServer:
-    """Start ``vllm-retrieval-spec serve MODEL ...``, wait for ``/health``, stop on exit."""
+    """Start ``vllm-retrieval-spec serve MODEL ...``, wait for ``/health``, stop on exit. The
+    server also ends when the thread that started it dies (:func:`end_with_parent`)."""
 
     def __init__(
         self,
@@ -78,7 +99,7 @@ class VllmServer:
         return f"http://{LOOPBACK}:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> VllmServer:
-        env = {**CPU_ENVIRONMENT, **os.environ, **self.env}
+        env = {**CPU_ENVIRONMENT, **os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
