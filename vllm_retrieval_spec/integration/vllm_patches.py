@@ -274,6 +274,18 @@ def _wrapped_proposer(drafter: object) -> DraftProposer | None:
 def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
     """Create the runner's :class:`SpecSession` (with its metrics), hand it to the drafter and
     hook the runner."""
+    session = _new_session(runner, drafter)
+    drafter.bind_session(session)
+    attach_metrics(runner, drafter, session)
+    runner.vrs_session = session
+    _hook_steps(runner, drafter, session)
+    _install_kernels(runner, session, drafter.options)
+    return session
+
+
+def _new_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSession:
+    """The session of what ``drafter`` uses: its budget, output and live indexes, learned dense
+    index and context states, the indexes' snapshots kept."""
     options = drafter.options
     ranks = runner.parallel_config.tensor_parallel_size  # > 1: every rank must draft what the first does
     budget = None
@@ -292,9 +304,12 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
                           context_states=_context_states(runner) if drafter.keeps_context_states() else None)
     if session.learned_dense is not None:
         keep_learned_dense(runner, options, session.learned_dense)
-    drafter.bind_session(session)
-    attach_metrics(runner, drafter, session)
-    runner.vrs_session = session
+    return session
+
+
+def _hook_steps(runner: GPUModelRunner, drafter: DraftProposer, session: SpecSession) -> None:
+    """The session told where each runner step begins (requests admitted and released) and where
+    its drafting begins and ends (the step's hidden states kept where they are read)."""
 
     def start_runner_step(original: Callable) -> Callable:
         def _update_states(scheduler_output, *args, **kwargs):
@@ -346,6 +361,12 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     _hook(runner, "propose_draft_token_ids", begin_step)
     if not generators_have_offsets(runner.device):
         _rewind_discarded_samples_by_state(runner)
+
+
+def _install_kernels(runner: GPUModelRunner, session: SpecSession, options: RetrievalSpecOptions) -> None:
+    """The plugin's kernels into the runner where the options and the device ask for them: step
+    and tree attention, the skinny GEMM and its screened head, fused norms and lean layers, and
+    the sampler."""
     if options.cpu_step_attention and runner.device.type == "cpu":
         _install_step_attention(runner, session)
     if session.tree_mode:
@@ -359,7 +380,6 @@ def attach_session(runner: GPUModelRunner, drafter: DraftProposer) -> SpecSessio
     _install_sampler(runner, session, options.candidate_replacement)
     if rows and options.cpu_screened_head:
         _arm_screened_head(runner, session)
-    return session
 
 
 def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, index: OutputIndex,
