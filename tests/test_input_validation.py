@@ -265,6 +265,27 @@ def test_bad_from_server_options_are_named(model_dir, tmp_path, option, message)
     error_line(result, message)
 
 
+# demo: refused before any server starts
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (("--prompts", "0"), "--prompts must be an integer in [1, 164], got 0"),
+    (("--max-tokens", "5000"), "--max-tokens must be an integer in [1, 1024], got 5000"),
+    (("--num-speculative-tokens", "129"), "--num-speculative-tokens must be an integer in [1, 128], got 129"),
+    (("--show", "-1"), "--show must be an integer >= 0, got -1"),
+])
+def test_bad_demo_options_fail_before_any_server_starts(option, message):
+    result = run_cli("demo", *option)
+    error_line(result, message)
+    assert "starting vLLM" not in result.stdout
+
+
+def test_the_demo_refuses_a_missing_datastore_before_any_server_starts(model_dir, tmp_path):
+    result = run_cli("demo", "--datastore", tmp_path / "missing")
+    error_line(result, tmp_path / "missing")
+    assert "starting vLLM" not in result.stdout
+
+
 # serve: late engine failures refused before any engine starts
 
 

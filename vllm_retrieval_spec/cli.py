@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vllm_retrieval_spec.evaluation.prompts import HUMANEVAL_PROBLEMS
 from vllm_retrieval_spec.proposers.registry import PACKAGE, PROPOSERS, names_this_package, registered_proposer
 from vllm_retrieval_spec.validation import has_type, require_ints
 
@@ -44,6 +45,7 @@ EXIT_BAD_INPUT = 2  # as argparse's usage errors
 EXAMPLE_SPECULATIVE_CONFIG = '\'{"model": "vllm_retrieval_spec.RestProposer", "num_speculative_tokens": 32}\''
 
 
+DEMO_MAX_TOKENS = 1024  # the demo's servers hold 2,048 tokens a request, HumanEval prompts fewer than 1,024
 SNAPSHOT_SHUTDOWN_SECONDS = 30  # vLLM's wait for its workers at shutdown when snapshots are saved
 
 
@@ -75,13 +77,21 @@ def check_serve(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
     from vllm_retrieval_spec.compat import configure_vllm_environment, require_supported_vllm
 
     configure_vllm_environment(in_process=False)  # before anything imports vLLM or prometheus_client
+    options = check_serve_arguments(vllm_args)
+    _patch_version_lookup()
+    require_supported_vllm()
+    return options
+
+
+def check_serve_arguments(vllm_args: Sequence[str]) -> RetrievalSpecOptions:
+    """:func:`check_serve`'s checks of ``serve``'s arguments alone (our options, the proposer,
+    its draft count and stores), which change nothing in this process: the demo runs them before
+    it starts a server."""
     options = _validate_options_early(vllm_args)
     speculative = _speculative_config(vllm_args)  # an unknown proposer is named before anything else
     _check_engine_early(vllm_args, speculative, options)
     _check_draft_count(speculative)
     _check_artifacts_early(vllm_args, options)
-    _patch_version_lookup()
-    require_supported_vllm()
     return options
 
 
@@ -239,10 +249,16 @@ def _prepare_model(args: argparse.Namespace) -> None:
 
 def _demo(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.demo import run_demo
+    from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
+    require_ints({"--prompts": (args.prompts, 1, HUMANEVAL_PROBLEMS),
+                  "--max-tokens": (args.max_tokens, 1, DEMO_MAX_TOKENS),
+                  "--num-speculative-tokens": (args.num_speculative_tokens, 1, MAX_SPEC_LEN),
+                  "--show": (args.show, 0, None)}, CommandLineError)
     run_demo(
         prompts=args.prompts, max_tokens=args.max_tokens, proposer=args.proposer,
         num_speculative_tokens=args.num_speculative_tokens, show=args.show, datastore=args.datastore,
+        check_serve_arguments=check_serve_arguments,
     )
 
 
@@ -404,16 +420,32 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--cache", default=None, help="models directory (default: the package cache)")
     prepare.set_defaults(handler=_prepare_model)
 
+    _add_demo_command(commands)
+    _add_datastore_commands(commands)
+    _add_ngram_table_commands(commands)
+
+    doctor = commands.add_parser("doctor", help="check the installation")
+    doctor.set_defaults(handler=_doctor)
+    return parser
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    """``demo``: the real model served with and without speculation."""
     demo = commands.add_parser("demo", help="serve the real model with/without speculation and compare")
-    demo.add_argument("--prompts", type=int, default=8, help="HumanEval prompts to send (default 8)")
-    demo.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    demo.add_argument("--proposer", default="RestProposer",
+    demo.add_argument("--prompts", type=int, default=8,
+                      help=f"HumanEval prompts to send (default 8, at most {HUMANEVAL_PROBLEMS})")
+    demo.add_argument("--max-tokens", type=int, default=128,
+                      help=f"new tokens per prompt (default 128, at most {DEMO_MAX_TOKENS})")
+    demo.add_argument("--proposer", default="RestProposer", choices=list(PROPOSERS),
                       help=f"class in {PACKAGE}: {', '.join(PROPOSERS)}")
     demo.add_argument("--datastore", default="python-code", help="REST datastore: recipe name or directory")
     demo.add_argument("--num-speculative-tokens", type=int, default=32)
     demo.add_argument("--show", type=int, default=2, help="answers to print (default 2)")
     demo.set_defaults(handler=_demo)
 
+
+def _add_datastore_commands(commands: argparse._SubParsersAction) -> None:
+    """``datastore build | add | remove | merge-order | inspect | build-dense | from-server``."""
     from vllm_retrieval_spec.datastores.sources import add_document_arguments, add_input_arguments
 
     datastore = commands.add_parser("datastore", help="build, grow or inspect REST and dense (DReSD) datastores")
@@ -468,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_from_server_arguments(from_server)
     from_server.set_defaults(handler=_datastore_from_server)
 
+
+def _add_ngram_table_commands(commands: argparse._SubParsersAction) -> None:
+    """``ngram-table build``: N-Grammys' tables from the model."""
     ngram_table = commands.add_parser("ngram-table", help="N-Grammys: model-derived n-gram tables")
     ngram_commands = ngram_table.add_subparsers(dest="ngram_command", required=True)
     table_build = ngram_commands.add_parser("build", help="run the model over its vocabulary")
@@ -485,10 +520,6 @@ def build_parser() -> argparse.ArgumentParser:
     table_build.add_argument("--replace", action="store_true",
                              help="rebuild an existing table (only a table or an empty directory is replaced)")
     table_build.set_defaults(handler=_ngram_table_build)
-
-    doctor = commands.add_parser("doctor", help="check the installation")
-    doctor.set_defaults(handler=_doctor)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -6,10 +6,8 @@ acceptance figures, speed and that the outputs are identical."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from vllm_retrieval_spec.datastores.resolve import ensure_recipe_store
 from vllm_retrieval_spec.evaluation.client import ClientRun, openai_client, run_prompts
@@ -32,10 +30,9 @@ class DemoResult:
         return self.summary.generated_tokens / self.run.seconds
 
 
-def _serve_and_ask(model: Path, label: str, speculative_config: Mapping[str, Any] | None,
-                   additional_config: Mapping[str, Any] | None, prompts: list[str], max_tokens: int) -> DemoResult:
+def _serve_and_ask(label: str, server: VllmServer, prompts: list[str], max_tokens: int) -> DemoResult:
     print(f"\n== starting vLLM ({label}) ...", flush=True)
-    with VllmServer(model, speculative_config=speculative_config, additional_config=additional_config) as server:
+    with server:
         client = openai_client(server.base_url)
         run_prompts(client, server.served_model_name, prompts[:1], 8)  # warm-up
         before = server.spec_decode_counters()
@@ -45,9 +42,11 @@ def _serve_and_ask(model: Path, label: str, speculative_config: Mapping[str, Any
 
 
 def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_tokens: int, show: int,
-             datastore: str) -> None:
+             datastore: str, check_serve_arguments: Callable[[Sequence[str]], object]) -> None:
     """Serve without and with ``proposer``, answer ``prompts`` HumanEval prompts through the
-    OpenAI client and print answers, acceptance, speed-up and whether the outputs are identical."""
+    OpenAI client and print answers, acceptance, speed-up and whether the outputs are identical.
+    The speculative server's ``serve`` arguments go through ``check_serve_arguments`` before any
+    server starts, so that a store or option it would refuse is refused at once."""
     from transformers import AutoTokenizer
 
     model = ensure_smollm2_checkpoint()
@@ -62,8 +61,10 @@ def run_demo(prompts: int, max_tokens: int, proposer: str, num_speculative_token
         store = ensure_recipe_store(datastore, model) if "/" not in datastore else datastore
         additional_config = {"retrieval_spec": {"datastore": str(store)}}
         print(f"datastore: {store}")
-    baseline = _serve_and_ask(model, "no speculation", None, None, texts, max_tokens)
-    ours = _serve_and_ask(model, proposer, speculative_config, additional_config, texts, max_tokens)
+    our_server = VllmServer(model, speculative_config=speculative_config, additional_config=additional_config)
+    check_serve_arguments(our_server.serve_args)
+    baseline = _serve_and_ask("no speculation", VllmServer(model), texts, max_tokens)
+    ours = _serve_and_ask(proposer, our_server, texts, max_tokens)
 
     for index in range(min(show, len(texts))):
         print(f"\n--- answer {index + 1} ({proposer}) ---\n{ours.run.texts[index].strip()}")

@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 PromptForm = Literal["raw", "chat"]
+HUMANEVAL_PROBLEMS = 164
 CHAT_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function in a Python code block."
 )

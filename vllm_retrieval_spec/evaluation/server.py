@@ -83,15 +83,15 @@ class VllmServer:
         self.env = dict(env or {})  # on top of this process's environment
         self.served_model_name = served_model_name
         self.log_path = Path(log_path or f"/tmp/vllm-retrieval-spec-server-{self.port}.log")
-        self.command = [
-            sys.executable, "-m", "vllm_retrieval_spec.cli", "serve", str(model),
-            "--host", LOOPBACK, "--port", str(self.port),
+        self.serve_args = [  # ``vllm-retrieval-spec serve``'s
+            str(model), "--host", LOOPBACK, "--port", str(self.port),
             "--served-model-name", served_model_name,
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
             *(["--speculative-config", json.dumps(dict(speculative_config))] if speculative_config else []),
             *(["--additional-config", json.dumps(dict(additional_config))] if additional_config else []),
             *extra_args,
         ]
+        self.command = [sys.executable, "-m", "vllm_retrieval_spec.cli", "serve", *self.serve_args]
         self.process: subprocess.Popen | None = None
 
     @property
