@@ -97,6 +97,7 @@ from vllm_retrieval_spec.models.gguf import ModelSourceError  # noqa: E402
 from vllm_retrieval_spec.options import RetrievalSpecOptions  # noqa: E402
 from vllm_retrieval_spec.paths import cache_root  # noqa: E402
 from vllm_retrieval_spec.proposers.registry import registered_proposer  # noqa: E402
+from vllm_retrieval_spec.validation import require_ints  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -780,6 +781,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.seed is not None and args.temperature <= 0:
         parser.error("--seed needs --temperature above 0 (greedy requests ignore seeds)")
+    try:
+        require_ints({"--prompts": (args.prompts, 1, None), "--max-tokens": (args.max_tokens, 1, None),
+                      "--concurrency": (args.concurrency, 1, None), "--repeats": (args.repeats, 1, None)})
+    except ValueError as error:
+        parser.error(str(error))
+    if args.dataset is not None and not args.dataset.is_file():
+        parser.error(f"--dataset {args.dataset}: no such file (benchmarks/workloads.py writes the workloads)")
 
     try:
         model = MODELS[args.model][0]()

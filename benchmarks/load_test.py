@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from vllm_retrieval_spec.datastores.from_server import served_model_name
 from vllm_retrieval_spec.evaluation.load import (
     LoadRequest,
     LoadSettings,
@@ -49,6 +50,7 @@ from vllm_retrieval_spec.evaluation.load import (
     summarize_run,
     synthetic_requests,
 )
+from vllm_retrieval_spec.validation import require_ints
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -85,6 +87,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", type=Path, help="result JSON path (default: under benchmarks/results/)")
     args = parser.parse_args(argv)
+    try:
+        check_values(args)
+    except ValueError as error:
+        parser.error(str(error))
     if not args.url and not args.serve:
         parser.error("give at least one --url or --serve")
     if args.compare_to and args.temperature != 0 and args.dataset != "mixed":
@@ -92,6 +98,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.label and len(args.label) != len(args.url) + len(args.serve):
         parser.error("give one --label per target (--url ones first, then --serve ones)")
     return args
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Counts, lengths and rates in their ranges (ValueError naming the flag)."""
+    require_ints({"--num-requests": (args.num_requests, 1, None), "--max-tokens": (args.max_tokens, 1, None),
+                  "--input-len": (args.input_len, 1, None), "--output-len": (args.output_len, 1, None),
+                  "--warmup": (args.warmup, 0, None), "--watch-memory": (args.watch_memory, 0, None),
+                  **{f"--concurrency[{i}]": (c, 1, None) for i, c in enumerate(args.concurrency)}})
+    for rate in args.request_rate:
+        if not rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {rate:g}")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature:g}")
+
+
+def check_targets(args: argparse.Namespace) -> None:
+    """Stop with one line, before any request is sent or server started, on a --serve or
+    --compare-to config that ``acceptance.py`` does not have or a --url where no server answers."""
+    from acceptance import CONFIGS  # benchmarks/ is this script's directory
+
+    configs = [*args.serve, *([args.compare_to] if args.compare_to and "://" not in args.compare_to else [])]
+    for config in configs:
+        if config not in CONFIGS:
+            raise SystemExit(f"load_test.py: error: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
+    urls = [("--url", url) for url in args.url]
+    if args.compare_to and "://" in args.compare_to:
+        urls.append(("--compare-to", args.compare_to))
+    for flag, url in urls:
+        try:
+            served_model_name(url, flag)
+        except ValueError as error:
+            raise SystemExit(f"load_test.py: error: {error}") from None
 
 
 def dataset_name(args: argparse.Namespace) -> str:
@@ -128,9 +166,7 @@ def open_target(target: str, max_num_seqs: int) -> Iterator[str]:
     from vllm_retrieval_spec.evaluation.server import VllmServer
     from vllm_retrieval_spec.models import ensure_smollm2_checkpoint
 
-    if target not in CONFIGS:
-        raise SystemExit(f"unknown config {target!r}; choose from {', '.join(CONFIGS)}")
-    config = CONFIGS[target]
+    config = CONFIGS[target]  # a known one (check_targets)
     with VllmServer(ensure_smollm2_checkpoint(), speculative_config=config.get("speculative_config"),
                     additional_config=config.get("additional_config"),
                     extra_args=["--max-num-seqs", str(max_num_seqs)]) as server:
@@ -242,7 +278,11 @@ def write_report(path: Path, args: argparse.Namespace, rows: list[dict[str, Any]
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    requests = build_requests(args)
+    try:
+        requests = build_requests(args)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"load_test.py: error: --dataset {args.dataset}: {error}") from None
+    check_targets(args)
     reference = reference_results(args, requests) if args.compare_to else None
     targets = [*args.url, *args.serve]
     labels = args.label or [target_label(t) for t in targets]

@@ -76,8 +76,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(paired 95%% intervals; the machine's drift falls on every server alike)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
-    if args.learn < 2 or args.measure < 1:
-        parser.error("--learn needs at least 2 requests and --measure at least 1")
+    if args.learn < 2 or args.measure < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        parser.error("--learn needs at least 2 requests, --measure, --concurrency and --max-tokens at least 1")
+    if not args.dataset.is_file():
+        parser.error(f"--dataset {args.dataset}: no such file (benchmarks/workloads.py writes the workloads)")
     return args
 
 

@@ -127,6 +127,32 @@ def test_jsonl_requests_take_messages_or_prompts_and_cycle(tmp_path):
         jsonl_requests(path, None, max_tokens=9)
 
 
+@pytest.mark.parametrize(("lines", "message"), [
+    (['{"prompt": "a"}', "{not json"], r"requests.jsonl:2: not a JSON record \(Expecting property name"),
+    (['["prompt"]'], r"requests.jsonl:1: a record needs 'messages' or 'prompt'"),
+])
+def test_a_bad_jsonl_line_is_named(tmp_path, lines, message):
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        jsonl_requests(path, None, max_tokens=9)
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--url", "http://127.0.0.1:9"], "load_test.py: error: --url http://127.0.0.1:9: no OpenAI-compatible server "
+     "answers /v1/models"),
+    (["--serve", "no_such_config"], "load_test.py: error: unknown config 'no_such_config'; choose from none, "),
+    (["--serve", "none", "--dataset", "missing.jsonl"], "load_test.py: error: --dataset missing.jsonl: "),
+    (["--serve", "none", "--concurrency", "8", "0"], "load_test.py: error: --concurrency[1] must be an integer >= 1"),
+    (["--serve", "none", "--request-rate", "0"], "load_test.py: error: --request-rate must be > 0"),
+])
+def test_load_test_refuses_bad_targets_and_values_in_one_line_before_any_server_starts(tmp_path, arguments, message):
+    done = subprocess.run([sys.executable, str(LOAD_TEST), *arguments, "--num-requests", "2"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+
+
 def test_humaneval_requests_raw_or_chat_messages_cycle():
     raw = humaneval_requests(166, "raw", max_tokens=8)
     assert len(raw) == 166 and raw[164] == raw[0] and isinstance(raw[0].prompt, str)

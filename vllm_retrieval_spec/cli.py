@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from vllm_retrieval_spec.evaluation.prompts import HUMANEVAL_PROBLEMS
 from vllm_retrieval_spec.proposers.registry import PACKAGE, PROPOSERS, names_this_package, registered_proposer
 from vllm_retrieval_spec.validation import has_type, require_ints
 
@@ -249,6 +248,7 @@ def _prepare_model(args: argparse.Namespace) -> None:
 
 def _demo(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.demo import run_demo
+    from vllm_retrieval_spec.evaluation.prompts import HUMANEVAL_PROBLEMS
     from vllm_retrieval_spec.options import MAX_SPEC_LEN
 
     require_ints({"--prompts": (args.prompts, 1, HUMANEVAL_PROBLEMS),
@@ -431,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     """``demo``: the real model served with and without speculation."""
+    from vllm_retrieval_spec.evaluation.prompts import HUMANEVAL_PROBLEMS
+
     demo = commands.add_parser("demo", help="serve the real model with/without speculation and compare")
     demo.add_argument("--prompts", type=int, default=8,
                       help=f"HumanEval prompts to send (default 8, at most {HUMANEVAL_PROBLEMS})")

@@ -256,15 +256,16 @@ def _reason(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
-def served_model_name(url: str) -> str:
-    """The first model the server lists; a clear error when the server cannot be reached."""
+def served_model_name(url: str, flag: str = "--url") -> str:
+    """The first model the server lists; a clear error (naming ``flag``) when the server cannot
+    be reached."""
     import openai
 
     try:
         return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="not-needed", timeout=30,
                              max_retries=2).models.list().data[0].id
     except (openai.APIError, IndexError) as error:
-        raise ValueError(f"--url {url}: no OpenAI-compatible server answers /v1/models ({_reason(error)}); "
+        raise ValueError(f"{flag} {url}: no OpenAI-compatible server answers /v1/models ({_reason(error)}); "
                          "start one (vllm-retrieval-spec serve MODEL) or fix the URL") from error
 
 

@@ -101,8 +101,11 @@ def jsonl_requests(path: str | Path, count: int | None, max_tokens: int) -> list
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        if "messages" not in record and "prompt" not in record:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not a JSON record ({error.msg})") from error
+        if not isinstance(record, dict) or ("messages" not in record and "prompt" not in record):
             raise ValueError(f"{path}:{number}: a record needs 'messages' or 'prompt'")
         items.append(LoadRequest(prompt=record.get("prompt"), messages=record.get("messages"),
                                  max_tokens=int(record.get("max_tokens", max_tokens))))
