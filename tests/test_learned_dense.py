@@ -180,6 +180,18 @@ def test_a_store_built_from_the_captured_states_holds_the_newest_snapshots_posit
         build_from_snapshot(tmp_path / "nothing", tmp_path / "other")
 
 
+def test_a_save_deletes_the_older_snapshot_and_keeps_a_users_directory_named_like_one(key_store, tmp_path):
+    index = taught(learned_index_for(key_store))
+    first = save_learned(index, tmp_path / "learned", key_store)
+    users = tmp_path / "learned" / "snapshot-00000001"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    newest = save_learned(index, tmp_path / "learned", key_store)
+    assert snapshot_dirs(tmp_path / "learned") == [users, newest] and not first.exists()
+    assert (users / "notes.txt").read_text() == "mine"
+    assert load_learned(learned_index_for(key_store), tmp_path / "learned", key_store) == index.num_positions
+
+
 def test_nothing_learned_saves_nothing_and_nothing_saved_restores_nothing(key_store, tmp_path):
     index = learned_index_for(key_store)
     assert save_learned(index, tmp_path / "learned", key_store) is None

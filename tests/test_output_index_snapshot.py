@@ -150,12 +150,16 @@ def test_a_corrupt_snapshot_is_refused(smollm2, tmp_path, caplog, corruption):
     damage(saved)
     with pytest.raises(OutputSnapshotError, match=message):
         read_snapshot(tmp_path / "snap", smollm2)
-    assert_refused_and_serving_goes_on(smollm2, tmp_path / "snap", caplog, message)
+    # Without a readable manifest nothing says the directory is ours: the next save keeps it.
+    kept = 1 if corruption == "manifest not JSON" else 0
+    assert_refused_and_serving_goes_on(smollm2, tmp_path / "snap", caplog, message, kept)
 
 
-def assert_refused_and_serving_goes_on(tokenizer: TokenizerIdentity, path: Path, caplog, message: str) -> None:
+def assert_refused_and_serving_goes_on(tokenizer: TokenizerIdentity, path: Path, caplog, message: str,
+                                       kept: int = 0) -> None:
     """Start-up logs one error naming the file, the index starts empty, takes requests, and
-    the next save replaces the refused snapshot with one that loads."""
+    the next save puts a snapshot that loads in place of the refused one (``kept``: 1 when the
+    refused one is not provably the plugin's, and stays)."""
     index = OutputIndex(50_000, background=False)
     snapshots = OutputIndexSnapshots(index, path, tokenizer, 3600)
     with caplog.at_level(logging.ERROR):
@@ -169,7 +173,30 @@ def assert_refused_and_serving_goes_on(tokenizer: TokenizerIdentity, path: Path,
     snapshots.close()
     again = OutputIndex(50_000, background=False)
     assert again.load(path, tokenizer) and again.tokens.tolist() == [*range(100, 200), SEPARATOR]
-    assert len(snapshot_dirs(path)) == 1
+    assert len(snapshot_dirs(path)) == 1 + kept
+
+
+def test_saves_delete_only_the_older_snapshots_that_hold_only_their_own_files(smollm2, tmp_path, caplog):
+    """A user's directory named like a snapshot, and a snapshot a user put a file into, are kept
+    whole with a warning naming them; the snapshot saved before, holding only its files, goes."""
+    path, index = tmp_path / "snap", filled_index(requests=20)
+    first = index.save(path, smollm2)
+    users = path / "snapshot-00000001"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    second = index.save(path, smollm2)
+    (second / "notes.txt").write_text("mine too")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        newest = index.save(path, smollm2)
+    assert [d.name for d in snapshot_dirs(path)] == [users.name, second.name, newest.name] and not first.exists()
+    assert (users / "notes.txt").read_text() == "mine" and (second / "notes.txt").read_text() == "mine too"
+    assert {TOKENS, "manifest.json"} <= {p.name for p in second.iterdir()}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    kept = "is kept (not an output index snapshot holding only its own files): the plugin deletes only what it wrote"
+    assert len(warned) == 2 and all(kept in w for w in warned)
+    assert str(users) in warned[0] and str(second) in warned[1]
+    assert [s.tolist() for s in read_snapshot(path, smollm2)] == [s.tolist() for s in index.kept_sequences()]
 
 
 def test_size_is_bounded_by_the_capacity(smollm2, tmp_path):

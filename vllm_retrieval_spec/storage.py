@@ -259,6 +259,24 @@ def replaceable_files(directory: Path, kind: ArtifactKind) -> list[Path]:
     return sorted(entries, key=lambda entry: entry.name != MANIFEST)
 
 
+def remove_own_artifact(directory: Path, kind: ArtifactKind) -> bool:
+    """Delete ``directory`` when it is ``kind``'s artifact holding nothing but its own files
+    (:func:`replaceable_files`; the manifest last, so a removal killed midway leaves one that still
+    claims the rest); otherwise keep it whole and log why. Whether it was deleted."""
+    try:
+        files = replaceable_files(directory, kind)
+        for path in reversed(files):
+            path.unlink(missing_ok=True)
+        directory.rmdir()
+    except OSError as error:  # FileExistsError: not ours alone; others: something appeared, or permissions
+        reason = (f"not {kind.article} {kind.noun} holding only its own files" if isinstance(error, FileExistsError)
+                  else str(error))
+        logger.warning("%s is kept (%s): the plugin deletes only what it wrote; remove it yourself if it is not "
+                       "needed", directory, reason)
+        return False
+    return True
+
+
 def _some_names(names: Sequence[str]) -> str:
     shown = ", ".join(map(repr, names[:_NAMES_SHOWN]))
     return shown if len(names) <= _NAMES_SHOWN else f"{shown} and {len(names) - _NAMES_SHOWN} more"

@@ -14,8 +14,9 @@ server starts with what the one it replaced learned.
 - ``manifest.json``: format version, token and sequence counts, the tokenizer's identity (as
   datastores record it), the size and sha256 of each file, and when it was saved.
 
-A save writes the next number and then deletes the older snapshots, so a save killed at any
-point leaves the previous snapshot whole (its temporary directory is removed by the next
+A save writes the next number and then deletes the older snapshots (a directory named like
+one that holds anything else is a user's, and kept), so a save killed at any point leaves the
+previous snapshot whole (its temporary directory is removed by the next
 save). A load reads the newest snapshot only and checks everything (manifest types and bounds,
 file size, checksum, separators, token ids, tokenizer); a refused snapshot is replaced by the
 next save. :class:`OutputIndexSnapshots` loads at start and saves periodically and at close.
@@ -28,7 +29,6 @@ import atexit
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +51,7 @@ from vllm_retrieval_spec.storage import (
     manifest_record,
     map_array,
     read_manifest,
+    remove_own_artifact,
     verify_file_records,
     write_manifest,
 )
@@ -156,13 +157,14 @@ def snapshot_dirs(path: Path) -> list[Path]:
 def next_snapshot(path: Path, kind: ArtifactKind) -> Iterator[Path]:
     """Yield the directory the next numbered snapshot under ``path`` is built in (atomically, see
     :func:`~vllm_retrieval_spec.storage.atomic_directory`); once it is in place the older ones
-    are deleted, so a save killed at any point leaves the previous snapshot whole."""
+    are deleted, so a save killed at any point leaves the previous snapshot whole. A directory
+    named like a snapshot that holds anything but ``kind``'s own files is kept (a user's)."""
     older = snapshot_dirs(path)
     number = int(_SNAPSHOT.fullmatch(older[-1].name)[1]) + 1 if older else 0
     with atomic_directory(path / f"snapshot-{number:08d}", kind=kind) as building:
         yield building
     for directory in older:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_own_artifact(directory, kind)
 
 
 def write_snapshot(path: Path, sequences: Sequence[np.ndarray], tokenizer: TokenizerIdentity,
