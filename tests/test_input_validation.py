@@ -21,7 +21,7 @@ import pytest
 from test_cli_safety import NGRAMMYS, REST, error_line, run_cli
 from test_ngrams import write_tiny_table
 
-from vllm_retrieval_spec.cli import CommandLineError, _check_draft_count, _speculative_config
+from vllm_retrieval_spec.cli import CommandLineError, _check_draft_count, _speculative_config, check_serve_arguments
 from vllm_retrieval_spec.datastores import DatastoreError, TokenDatastore
 from vllm_retrieval_spec.datastores.builder import build_datastore
 from vllm_retrieval_spec.datastores.format import DATASTORE
@@ -195,6 +195,23 @@ def test_hybrid_serve_checks_its_dense_store_after_its_datastore(model_dir, stor
     config = json.dumps({"retrieval_spec": {"datastore": str(store), "dense_datastore": str(dense)}})
     error_line(run_cli("serve", model_dir, "--speculative-config", HYBRID, "--additional-config", config),
                dense / MANIFEST, "index type 'flat' takes no 'index.nprobe', which is 4")
+
+
+@pytest.mark.parametrize("place", ["a file", "under a file"])
+def test_serve_refuses_an_output_index_path_no_save_could_write(model_dir, store, tmp_path, place):
+    """Where every save would fail (the index it learned lost at each restart), serve refuses at
+    once; with the output index off the path is not used, and not checked."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    path = taken if place == "a file" else taken / "snapshots"
+    options = {"datastore": str(store), "output_index_path": str(path)}
+    config = json.dumps({"retrieval_spec": options})
+    error_line(run_cli("serve", model_dir, "--speculative-config", REST, "--additional-config", config),
+               "retrieval_spec.output_index_path: cannot write", path / "snapshot-00000000",
+               f"{taken} is not a directory")
+    off = json.dumps({"retrieval_spec": options | {"use_output_index": False}})
+    check_serve_arguments([str(model_dir), "--speculative-config", REST, "--additional-config", off])
+    assert taken.read_text() == "mine"
 
 
 @pytest.mark.parametrize(("changes", "emptied", "message"), [

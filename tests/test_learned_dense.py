@@ -300,3 +300,7 @@ def test_the_runner_restores_its_engine_snapshot_and_saves_at_shutdown(key_store
     restarted = learned_index_for(key_store)
     assert keep_learned_dense(runner, options, restarted) is not None and restarted.num_positions == 12
     assert keep_learned_dense(runner, RetrievalSpecOptions(), index) is None  # no path: not kept
+    (tmp_path / "taken").write_text("a file")
+    taken = RetrievalSpecOptions.from_dict({"dense_learned_path": str(tmp_path / "taken" / "learned")})
+    with pytest.raises(OSError, match=r"retrieval_spec.dense_learned_path: cannot write .*taken is not a directory"):
+        keep_learned_dense(runner, taken, index)  # the engine does not start

@@ -319,6 +319,10 @@ def test_the_runner_keeps_its_engine_snapshot_and_saves_at_shutdown(model_dir, s
     for name, learned in budget.learned_counts().items():
         assert np.array_equal(read_counts(tmp_path / "snap.dp1", name, learned.counts().shape), learned.counts())
     assert keep_output_index(runner, RetrievalSpecOptions(), index) is None  # no path: not kept
+    (tmp_path / "taken").write_text("a file")
+    taken = RetrievalSpecOptions.from_dict({"output_index_path": str(tmp_path / "taken" / "snap")})
+    with pytest.raises(OSError, match=r"retrieval_spec.output_index_path: cannot write .*taken is not a directory"):
+        keep_output_index(runner, taken, index)  # the engine does not start
 
 
 def learned_calibration(seed: int = 0, nodes: int = 5_000) -> AcceptanceCalibration:

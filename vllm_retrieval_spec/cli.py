@@ -32,7 +32,13 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from vllm_retrieval_spec.proposers.registry import PACKAGE, PROPOSERS, names_this_package, registered_proposer
+from vllm_retrieval_spec.proposers.registry import (
+    PACKAGE,
+    PROPOSERS,
+    RegisteredProposer,
+    names_this_package,
+    registered_proposer,
+)
 from vllm_retrieval_spec.validation import has_type, require_ints
 
 if TYPE_CHECKING:
@@ -147,6 +153,20 @@ def _check_artifacts_early(vllm_args: Sequence[str], options: RetrievalSpecOptio
         return
     for store_option in proposer.store_options:
         _open_store(store_option, options, model, _flag_value(vllm_args, "--tokenizer") or model)
+    _check_snapshot_paths(proposer, options)
+
+
+def _check_snapshot_paths(proposer: RegisteredProposer, options: RetrievalSpecOptions) -> None:
+    """Refuse a snapshot path the proposer will save to (the output index's with a REST datastore,
+    the learned dense index's with a dense one) that no save could write, as the engine would."""
+    from vllm_retrieval_spec.datastores.output_snapshot import check_snapshot_path, engine_snapshot_path
+    from vllm_retrieval_spec.options import OPTIONS_KEY
+
+    kept = {"output_index_path": "datastore" in proposer.store_options and options.use_output_index,
+            "dense_learned_path": "dense_datastore" in proposer.store_options and options.dense_learned_positions > 0}
+    for option, used in kept.items():
+        if used and getattr(options, option):
+            check_snapshot_path(engine_snapshot_path(getattr(options, option), 0), f"{OPTIONS_KEY}.{option}")
 
 
 def _open_store(store_option: str, options: RetrievalSpecOptions, model: str, tokenizer: str) -> None:

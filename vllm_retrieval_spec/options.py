@@ -164,7 +164,7 @@ class RetrievalSpecOptions:
         "output_index_save_seconds and at shutdown: vllm-retrieval-spec serve adds --shutdown-timeout 30, plain "
         "vllm serve needs one > 0) and loaded from at start, so a restarted server keeps what it learned; "
         "data-parallel engine i > 0 uses "
-        "PATH.dp<i> (empty: not saved)",
+        "PATH.dp<i>; a place no save could write is refused at start (empty: not saved)",
     )
     output_index_save_seconds: int = _option(
         300, _int_in(1, 86_400), "REST: seconds between two saves of the output index (only when it changed)"
@@ -219,7 +219,8 @@ class RetrievalSpecOptions:
         "", _string,
         "DReSD, Hybrid: directory where the learned dense index is saved (every output_index_save_seconds when it "
         "learned something, and at shutdown) and restored from at start; each snapshot is a dense datastore in the "
-        "serving store's key space; data-parallel engine i > 0 uses PATH.dp<i> (empty: not saved)",
+        "serving store's key space; data-parallel engine i > 0 uses PATH.dp<i>; a place no save could write is "
+        "refused at start (empty: not saved)",
     )
     dense_learned_neighbours: int = _option(
         8, _int_in(0, 1024),

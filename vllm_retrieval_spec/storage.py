@@ -227,7 +227,7 @@ def check_build_target(final_dir: Path, replace: bool, kind: ArtifactKind | None
             raise FileExistsError(f"{final_dir} already exists; pass --replace to rebuild it")
         if kind is not None:
             replaceable_files(final_dir, kind)
-    _check_writable(final_dir)
+    check_writable(final_dir)
 
 
 def replaceable_files(directory: Path, kind: ArtifactKind) -> list[Path]:
@@ -282,7 +282,7 @@ def _some_names(names: Sequence[str]) -> str:
     return shown if len(names) <= _NAMES_SHOWN else f"{shown} and {len(names) - _NAMES_SHOWN} more"
 
 
-def _check_writable(final_dir: Path) -> None:
+def check_writable(final_dir: Path) -> None:
     """Fail naming the directory in the way when ``final_dir`` could not be created there (or,
     existing, have its files replaced)."""
     nearest = next((parent for parent in final_dir.parents if parent.exists()), Path("."))

@@ -47,6 +47,7 @@ from vllm_retrieval_spec.storage import (
     StorageError,
     atomic_directory,
     check_manifest_ints,
+    check_writable,
     file_records,
     manifest_record,
     map_array,
@@ -68,6 +69,7 @@ TOKEN_DTYPE = np.dtype("<u4")
 COUNTS_DTYPE = np.dtype("<f8")
 MAX_SNAPSHOT_TOKENS = 2**31 - 2  # the largest output_index_tokens
 _SNAPSHOT = re.compile(r"snapshot-(\d{8})")
+_FIRST_SNAPSHOT = "snapshot-00000000"
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,15 @@ def engine_snapshot_path(path: str | Path, engine_index: int) -> Path:
     first engine (the only one of most servers), ``PATH.dp<i>`` for the others."""
     path = Path(path).expanduser()
     return path if engine_index == 0 else path.with_name(f"{path.name}.dp{engine_index}")
+
+
+def check_snapshot_path(path: str | Path, option: str) -> None:
+    """Refuse (``OSError`` naming ``option``) a snapshot ``path`` no save could write: a file,
+    under a file, or in a directory without write permission."""
+    try:
+        check_writable(Path(path).expanduser() / _FIRST_SNAPSHOT)
+    except OSError as error:
+        raise OSError(f"{option}: {error}") from None
 
 
 def snapshot_dirs(path: Path) -> list[Path]:

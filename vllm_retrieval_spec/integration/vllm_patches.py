@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,7 @@ from vllm_retrieval_spec.datastores.output_snapshot import (
     OutputIndexSnapshots,
     PeriodicSaves,
     SavedCounts,
+    check_snapshot_path,
     engine_snapshot_path,
 )
 from vllm_retrieval_spec.goodput import GoodputBudget
@@ -42,7 +44,7 @@ from vllm_retrieval_spec.kernels.attention import KVLayout
 from vllm_retrieval_spec.kernels.fused_norm import FusedRMSNorm, fused_kernels_available
 from vllm_retrieval_spec.kernels.lean_layer import LeanLlamaLayer
 from vllm_retrieval_spec.kernels.skinny_gemm import HugePageArena, ScreenedHead, SkinnyLinear, pays_on_this_cpu
-from vllm_retrieval_spec.options import RetrievalSpecOptions
+from vllm_retrieval_spec.options import OPTIONS_KEY, RetrievalSpecOptions
 from vllm_retrieval_spec.proposers.base import DraftProposer
 from vllm_retrieval_spec.proposers.registry import names_this_package
 from vllm_retrieval_spec.verification.admission import (
@@ -392,10 +394,9 @@ def keep_output_index(runner: GPUModelRunner, options: RetrievalSpecOptions, ind
         return None
     from vllm_retrieval_spec.datastores.resolve import tokenizer_identity
 
-    path = engine_snapshot_path(options.output_index_path, int(engine_label(runner.vllm_config)))
+    path, writes = _snapshot_place(runner, options, "output_index_path")
     snapshots = OutputIndexSnapshots(index, path, tokenizer_identity(runner.model_config.tokenizer),
-                                     options.output_index_save_seconds, writes=tensor_parallel_rank() == 0,
-                                     learned=learned)
+                                     options.output_index_save_seconds, writes=writes, learned=learned)
     snapshots.start()
     runner.vrs_output_snapshots = snapshots
     _close_at_shutdown(runner, snapshots)
@@ -418,13 +419,22 @@ def keep_learned_dense(runner: GPUModelRunner, options: RetrievalSpecOptions,
         return None
     from vllm_retrieval_spec.datastores.learned_snapshot import LearnedDenseSnapshots
 
-    path = engine_snapshot_path(options.dense_learned_path, int(engine_label(runner.vllm_config)))
-    snapshots = LearnedDenseSnapshots(index, path, index.key_store, options.output_index_save_seconds,
-                                      writes=tensor_parallel_rank() == 0)
+    path, writes = _snapshot_place(runner, options, "dense_learned_path")
+    snapshots = LearnedDenseSnapshots(index, path, index.key_store, options.output_index_save_seconds, writes=writes)
     snapshots.start()
     runner.vrs_learned_snapshots = snapshots
     _close_at_shutdown(runner, snapshots)
     return snapshots
+
+
+def _snapshot_place(runner: GPUModelRunner, options: RetrievalSpecOptions, option: str) -> tuple[Path, bool]:
+    """Where this engine keeps the snapshots of ``option``'s path, and whether this rank (the
+    first) writes them: then a place no save could write fails the engine's start, naming it."""
+    path = engine_snapshot_path(getattr(options, option), int(engine_label(runner.vllm_config)))
+    writes = tensor_parallel_rank() == 0
+    if writes:
+        check_snapshot_path(path, f"{OPTIONS_KEY}.{option}")
+    return path, writes
 
 
 def _close_at_shutdown(runner: GPUModelRunner, snapshots: PeriodicSaves) -> None:
