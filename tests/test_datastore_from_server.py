@@ -144,6 +144,34 @@ def test_an_unreachable_server_is_one_line_naming_the_url(model_dir, prompt_file
     assert "Traceback" not in done.stderr and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("theirs", ["a user's document", "the prompt file", "a directory"])
+def test_transcripts_that_are_not_this_commands_are_refused_untouched(model_dir, prompt_file, tmp_path, theirs):
+    """Answers are appended to ``--transcripts``: a file with other lines (even JSON ones), or a
+    directory, is refused before any server is asked, and left as it was."""
+    transcripts = {"a user's document": tmp_path / "thesis.tex", "the prompt file": prompt_file,
+                   "a directory": tmp_path / "notes"}[theirs]
+    if theirs == "a user's document":
+        transcripts.write_text("\\chapter{Five years of work}\n")
+    elif theirs == "a directory":
+        transcripts.mkdir()
+    before = transcripts.read_bytes() if transcripts.is_file() else None
+    done = cli("--url", f"http://127.0.0.1:{free_port()}", "--prompts", str(prompt_file), "--out",
+               str(tmp_path / "s"), "--model", str(model_dir), "--transcripts", str(transcripts))
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert line.startswith(f"vllm-retrieval-spec: error: --transcripts {transcripts}")
+    assert ("is not a file" if theirs == "a directory" else "line 1 is not a transcript of this command") in line
+    assert (transcripts.read_bytes() if before is not None else None) == before
+
+
+def test_a_line_torn_by_a_killed_run_is_no_reason_to_refuse(prompt_file, tmp_path):
+    transcripts = tmp_path / "t.jsonl"
+    collect(ScriptedServer(), prompt_file, transcripts)
+    lines = transcripts.read_text().splitlines()
+    transcripts.write_text(lines[0] + "\n" + lines[1][:9] + "\n" + lines[2] + "\n" + lines[1][:20])
+    from_server.check_transcripts_file(transcripts)
+
+
 def test_stores_from_the_real_servers_answers(model_dir, plain_server, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in [

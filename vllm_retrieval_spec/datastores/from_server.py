@@ -94,6 +94,32 @@ def scan_transcripts(transcripts: Path) -> Iterator[tuple[int, tuple[int, str] |
             offset += len(line)
 
 
+def check_transcripts_file(transcripts: Path) -> None:
+    """Refuse, before any answer, a ``--transcripts`` that answers would be appended to although it
+    is not this command's: no file, or a line that is neither a transcript nor one a killed run
+    tore (a JSON object cut short)."""
+    if transcripts.exists() and not transcripts.is_file():
+        raise ValueError(f"--transcripts {transcripts} is not a file; give the JSONL file answers are appended to")
+    if not transcripts.is_file():
+        return
+    with transcripts.open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip() and _transcript_id(line) is None and not _torn(line):
+                raise ValueError(f"--transcripts {transcripts}: line {number} is not a transcript of this command, and "
+                                 "answers are appended to the file; give a file of its transcripts or a new one")
+
+
+def _torn(line: bytes) -> bool:
+    """Whether ``line`` is the start of a JSON object cut short (what a run killed mid-write leaves)."""
+    if not line.lstrip().startswith(b"{"):
+        return False
+    try:
+        json.loads(line)
+    except ValueError:
+        return True
+    return False
+
+
 def _transcript_id(line: bytes) -> tuple[int, str] | None:
     try:
         record = json.loads(line)
@@ -315,7 +341,8 @@ def add_from_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="without --url: the started server's longest prompt + answer (default 2048)")
     parser.add_argument("--transcripts", type=Path,
-                        help="answers JSONL, appended as they arrive; a rerun resumes (default: OUT.transcripts.jsonl)")
+                        help="answers JSONL, appended as they arrive; a rerun resumes; a file holding anything else is "
+                             "refused (default: OUT.transcripts.jsonl)")
     parser.add_argument("--model-name", help="served model name (default: the server's first)")
     parser.add_argument("--max-tokens", type=int, default=256, help="answer length (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -342,6 +369,7 @@ def run_from_server(args: argparse.Namespace, start_server: ServerStarter | None
     plan = FromServerPlan.of(args)
     records = read_prompt_file(args.prompts)
     check_build_target(plan.out, args.replace, DATASTORE)  # before minutes of answers
+    check_transcripts_file(plan.transcripts)
     if plan.dense_out is not None:
         check_build_target(plan.dense_out, args.replace, DENSE_DATASTORE)
     captured_before = _captured_positions(plan)
