@@ -282,6 +282,19 @@ def test_bad_from_server_options_are_named(model_dir, tmp_path, option, message)
     error_line(result, message)
 
 
+@pytest.mark.parametrize(("command", "message"), [
+    (("bogus",), "vllm-retrieval-spec: error: argument command: invalid choice: 'bogus'"),
+    (("datastore", "remove", "/tmp"), "vllm-retrieval-spec datastore remove: error: the following arguments are "
+                                      "required: --document (see vllm-retrieval-spec datastore remove --help)"),
+    (("demo", "--prompts", "abc"), "vllm-retrieval-spec demo: error: argument --prompts: invalid int value: 'abc'"),
+])
+def test_a_usage_error_is_one_line_naming_the_commands_help(command, message):
+    result = run_cli(*command)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+    assert result.stderr.rstrip().endswith("--help)")
+
+
 # demo: refused before any server starts
 
 

@@ -427,9 +427,16 @@ def _doctor(args: argparse.Namespace) -> None:
     sys.exit(1 if problems else 0)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports a usage error in one line naming the command's ``--help`` (argparse prints the
+    usage first), as every other bad input is reported; its commands' parsers are of this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also with {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
