@@ -14,12 +14,12 @@ server starts with what the one it replaced learned.
 - ``manifest.json``: format version, token and sequence counts, the tokenizer's identity (as
   datastores record it), the size and sha256 of each file, and when it was saved.
 
-A save writes the next number and then deletes the older snapshots (a directory named like
-one that holds anything else is a user's, and kept), so a save killed at any point leaves the
-previous snapshot whole (its temporary directory is removed by the next
-save). A load reads the newest snapshot only and checks everything (manifest types and bounds,
-file size, checksum, separators, token ids, tokenizer); a refused snapshot is replaced by the
-next save. :class:`OutputIndexSnapshots` loads at start and saves periodically and at close.
+A save writes the next number and then deletes the older snapshots (a directory named like one
+that holds anything else is a user's, and kept), so a save killed at any point leaves the
+previous snapshot whole (its temporary directory is removed by the next save). A load reads the
+newest snapshot only and checks everything (manifest types and bounds, file size, checksum,
+separators, token ids, tokenizer); a refused snapshot is replaced by the next save.
+:class:`OutputIndexSnapshots` loads at start and saves periodically and at close.
 """
 
 from __future__ import annotations
